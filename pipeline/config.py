@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline.data import FILE_BUILDERS, PACKAGED
-from pipeline.optimizers import REGISTRY
+from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
 
 BACKENDS = ("trainer", "accelerator")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
@@ -35,11 +35,17 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first bad value."""
     for key, names in (("optim.name", REGISTRY), ("backend.name", BACKENDS), ("data.loader", DATA_LOADERS)):
         _check(cfg, key, lambda v, names=names: v in names, f"allowed values are {', '.join(names)}")
+    missing = missing_packages(REGISTRY[cfg.optim.name])
+    if missing:
+        raise ConfigError(
+            f"optim={cfg.optim.name} needs the package(s) {', '.join(missing)}: "
+            f"install the optional extra with pip install -e '.[{EXTRA}]' (make install does)"
+        )
     for key in ("batch_size", "train.max_steps", "train.max_length", "eval.batch_size"):
         _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
     _check(cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     _check(cfg, "train.lr", lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
-    positions = OmegaConf.select(cfg, "model.architecture.max_position_embeddings") or 512
+    positions = cfg.model.max_tokens
     _check(
         cfg,
         "train.max_length",

@@ -2,8 +2,8 @@
 
 Run by the sweep runner as `python -m pipeline.job JOB_DIR` (JOB_DIR/config.yaml holds the resolved
 config), so no job's peak-memory counters, caches or global state can leak into the next one. The result
-goes to JOB_DIR/result.json and, on an exception, the traceback to JOB_DIR/error.txt; MLflow is left to
-the runner.
+goes to JOB_DIR/result.json and, on an exception, a one-line summary and the traceback to JOB_DIR/error.txt;
+MLflow is left to the runner.
 """
 
 from __future__ import annotations
@@ -27,22 +27,39 @@ def library_versions() -> dict[str, str]:
     return {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets)}
 
 
+def eager_compile(fn=None, **options):
+    """Stand-in for torch.compile that returns the function unchanged."""
+    return fn if fn is not None else (lambda f: f)
+
+
 def run(cfg: DictConfig, job_dir: Path) -> dict:
+    import torch
     import transformers
 
     from pipeline import backends, data, models, optimizers
     from pipeline.memory import optimizer_state_size, peak_rss_mb
+    from pipeline.timing import StepTimer
 
+    spec = optimizers.get(cfg.optim.name)
+    tags = {f"version.{k}": v for k, v in library_versions().items()}
+    if spec.compiles_step and not torch.cuda.is_available():
+        # torch.compile cannot trace through the CPU peak tracker (a TorchDispatchMode) and torchao asks for
+        # fullgraph=True, which then raises: run its step eagerly instead (same math, same state)
+        torch.compile = eager_compile
+        tags["optim_compiled"] = "false: eager on CPU, where the tensor-level peak tracker is active"
     transformers.set_seed(cfg.seed)
     tokenizer = models.load_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data)
     model = models.load_model(cfg.model, splits.num_labels)
+    model.config.pad_token_id = tokenizer.pad_token_id
     splits = data.tokenize(splits, tokenizer, cfg.train.max_length, models.vocab_size(model))
-    spec = optimizers.get(cfg.optim.name)
+    backend = cfg.backend.name
+    variant = spec.trainer_variant if backend == "trainer" and spec.trainer_optim else None
     num_params = sum(p.numel() for p in model.parameters())
-    estimate = spec.estimate_state(optimizers.param_layout(model.parameters()))
+    estimate = spec.estimate(optimizers.param_infos(model), cfg, variant, model.config)
 
-    out = backends.get(cfg.backend.name).train(cfg, model, tokenizer, splits, spec, job_dir)
+    with StepTimer() as steps:
+        out = backends.get(backend).train(cfg, model, tokenizer, splits, spec, job_dir)
 
     state = optimizer_state_size(out.optimizer)
     samples = cfg.train.max_steps * cfg.batch_size
@@ -51,7 +68,9 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "optimizer_state_numel": state.numel,
         "optimizer_state_bytes": state.bytes,
         "optimizer_state_mb": state.mb,
+        "optimizer_state_bytes_per_param": state.bytes / num_params,
         "estimated_optimizer_state_mb": estimate.mb,
+        "optimizer_step_ms": steps.median_ms,
         **out.peak.metrics(),
         "peak_rss_mb": peak_rss_mb(),
         "train_loss_final": out.losses[-1],
@@ -59,6 +78,8 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "train_samples_per_second": samples / out.train_runtime_s,
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
     }
+    if "paged" in spec.name and not out.device.startswith("cuda"):
+        tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
     return {
         "metrics": metrics,
         "series": {"train_loss": out.losses},
@@ -67,8 +88,9 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
             "num_labels": splits.num_labels,
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
+            "optim_variant": variant or "plain",
         },
-        "tags": {f"version.{k}": v for k, v in library_versions().items()},
+        "tags": tags,
     }
 
 
@@ -76,8 +98,10 @@ def main(job_dir: Path) -> int:
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     try:
         result = run(cfg, job_dir)
-    except BaseException:  # noqa: BLE001 - every failure is reported to the runner, then re-signalled by exit code
-        (job_dir / ERROR_FILE).write_text(traceback.format_exc())
+    except BaseException as err:  # every failure goes to the runner: a summary line, then the traceback
+        message = str(err).strip().splitlines()
+        summary = f"{type(err).__name__}: {message[0] if message else ''}"
+        (job_dir / ERROR_FILE).write_text(f"{summary}\n\n{traceback.format_exc()}")
         traceback.print_exc()
         return 1
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))

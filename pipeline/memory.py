@@ -28,10 +28,12 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
     """Elements and bytes of everything in ``optimizer.state``.
 
     Every entry of every parameter's state counts; a Python scalar (``step``, ``RMS``) is one element of the
-    dtype ``torch.tensor`` gives it; tensors are counted by the storage they hold, each storage once even
-    when several parameters share it (bitsandbytes' quantization maps).
+    dtype ``torch.tensor`` gives it; tensors are counted by the storage they hold (a view keeps its whole
+    storage alive), each storage once even when several parameters share it (bitsandbytes' quantization
+    maps); objects in the state (GaLore's projector) are counted by the tensors in their attributes.
     """
     seen: set[tuple[str, int]] = set()
+    visited: set[int] = set()
     numel = nbytes = 0
 
     def add(value) -> None:
@@ -54,6 +56,10 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
         elif isinstance(value, dict):
             for item in value.values():
                 add(item)
+        elif hasattr(value, "__dict__") and id(value) not in visited:
+            # an object kept in the state (GaLore's projector) holds tensors in its attributes
+            visited.add(id(value))
+            add(vars(value))
 
     for state in optimizer.state.values():
         add(state)

@@ -23,17 +23,21 @@ def load_tokenizer(model_cfg: DictConfig):
     from transformers import AutoTokenizer
 
     if model_cfg.package:
-        return AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
-    try:
-        return AutoTokenizer.from_pretrained(model_cfg.hub_id)
-    except OSError:
-        if model_cfg.pretrained:
-            raise
-        log.warning(
-            "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (random weights anyway)",
-            model_cfg.hub_id,
-        )
-        return AutoTokenizer.from_pretrained(packaged_path(FALLBACK_TOKENIZER_PACKAGE))
+        tokenizer = AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_cfg.hub_id)
+        except OSError:
+            if model_cfg.pretrained:
+                raise
+            log.warning(
+                "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (random weights anyway)",
+                model_cfg.hub_id,
+            )
+            tokenizer = AutoTokenizer.from_pretrained(packaged_path(FALLBACK_TOKENIZER_PACKAGE))
+    if tokenizer.pad_token is None:  # GPT-2 has none; batches need one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_model(model_cfg: DictConfig, num_labels: int):

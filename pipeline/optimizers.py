@@ -1,81 +1,86 @@
 """Optimizer registry: one name -> one implementation and settings, on both backends.
 
-Each entry gives the Trainer's ``optim=`` string (the Trainer backend uses it), a factory that builds the
-same optimizer directly (the Accelerator backend), and an analytic model of its state from parameter
-shapes alone (``estimated_optimizer_state_mb``). Torch and transformers are imported inside the functions
-so that the config can be validated before heavy imports.
+Each entry gives
+- `build(model, cfg)`: the optimizer built directly (the Accelerator backend; and the Trainer backend when the
+  Trainer has no `optim=` string for it, through `Trainer(optimizers=...)`);
+- `trainer_optim`: the Trainer's `optim=` string for the same optimizer, with `trainer_args(cfg)` for its
+  extra TrainingArguments (a test checks both paths build the same class with the same settings);
+- `estimate(params, cfg, variant, model_config)`: the analytic state size from parameter names and shapes alone, which must
+  equal the measured state to the byte;
+- `requires`: import names of the optional packages it needs (`pip install -e '.[optim]'`).
+
+Torch and the optimizer packages are imported inside the functions, so the config can be validated before
+any heavy import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from math import prod
+from math import ceil, prod
+from typing import NamedTuple
 
 from pipeline import StateSize
 
-# (shape, bytes per element) of each trainable parameter
-ParamLayout = list[tuple[tuple[int, ...], int]]
-
 FP32, INT64 = 4, 8
+EXTRA = "optim"  # the pyproject extra holding the optional optimizer packages
+BNB_MIN_8BIT_SIZE, BNB_BLOCK = 4096, 256  # bitsandbytes: smaller tensors keep 32-bit state; absmax per block
+BNB_QMAP = 256  # bitsandbytes' quantization map (fp32), one per state kind, shared by every parameter
+TORCHAO_MIN_SIZE = 4096  # torchao quantizes tensors of at least this size whose numel divides by the block
+TRAINER_EMBEDDING_FP32 = (
+    "trainer_embedding_fp32"  # the Trainer's bnb 8-bit path keeps nn.Embedding state fp32
+)
+
+
+class ParamInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    is_embedding: bool  # the weight of an nn.Embedding
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+def param_infos(model) -> list[ParamInfo]:
+    """Name, shape, element size and role of every trainable parameter (all an estimate may look at)."""
+    from torch import nn
+
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [
+        ParamInfo(n, tuple(p.shape), p.element_size(), id(p) in embedding_weights)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def size(*parts: tuple[int, int]) -> StateSize:
+    """StateSize from (numel, itemsize) parts."""
+    return StateSize(sum(n for n, _ in parts), sum(n * s for n, s in parts))
+
+
+def scalar_bytes(value) -> int:
+    """Bytes of a Python scalar counted as the dtype torch.tensor gives it (bool 1, int 8, float 4)."""
+    return 1 if isinstance(value, bool) else INT64 if isinstance(value, int) else FP32
+
+
+def total(sizes) -> StateSize:
+    sizes = list(sizes)
+    return StateSize(sum(s.numel for s in sizes), sum(s.bytes for s in sizes))
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str
-    trainer_optim: str
-    build: Callable  # (param_groups, cfg) -> torch.optim.Optimizer
-    estimate_state: Callable[[ParamLayout], StateSize]
-
-
-def _adamw(param_groups, cfg):
-    import torch
-
-    return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
-
-
-def _adamw_state(layout: ParamLayout) -> StateSize:
-    # exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 `step` tensor per parameter
-    numel = sum(2 * prod(shape) + 1 for shape, _ in layout)
-    nbytes = sum(2 * prod(shape) * size + FP32 for shape, size in layout)
-    return StateSize(numel, nbytes)
-
-
-def _adafactor(param_groups, cfg):
-    from transformers.optimization import Adafactor
-
-    # what TrainingArguments(optim="adafactor") builds
-    return Adafactor(param_groups, lr=cfg.train.lr, scale_parameter=False, relative_step=False)
-
-
-def _adafactor_state(layout: ParamLayout) -> StateSize:
-    # fp32 statistics: row + column means for matrices (n + m), the full square for vectors; beta1 is None
-    # so no exp_avg; `RMS` is a float32 0-d tensor and `step` a Python int (int64).
-    numel = nbytes = 0
-    for shape, _ in layout:
-        stats = prod(shape[:-1]) + prod(shape[:-2]) * shape[-1] if len(shape) >= 2 else prod(shape)
-        numel += stats + 2
-        nbytes += stats * FP32 + FP32 + INT64
-    return StateSize(numel, nbytes)
-
-
-REGISTRY: dict[str, OptimizerSpec] = {
-    spec.name: spec
-    for spec in [
-        OptimizerSpec("adamw", "adamw_torch", _adamw, _adamw_state),
-        OptimizerSpec("adafactor", "adafactor", _adafactor, _adafactor_state),
-    ]
-}
-
-
-def get(name: str) -> OptimizerSpec:
-    if name not in REGISTRY:
-        raise KeyError(f"optim.name={name!r} is not registered; choose one of: {', '.join(REGISTRY)}")
-    return REGISTRY[name]
-
-
-def param_layout(params: Iterable) -> ParamLayout:
-    return [(tuple(p.shape), p.element_size()) for p in params if p.requires_grad]
+    build: Callable  # (model, cfg) -> torch.optim.Optimizer
+    estimate: Callable  # (list[ParamInfo], cfg, variant, model_config) -> StateSize
+    trainer_optim: str | None = None
+    trainer_args: Callable = lambda cfg: {}  # extra TrainingArguments for trainer_optim
+    trainer_variant: str | None = None  # how the Trainer's version differs from `build`'s, if it does
+    requires: tuple[str, ...] = ()
+    needs_train_eval_mode: bool = False  # schedule-free: optimizer.train() / optimizer.eval()
+    compiles_step: bool = False  # torchao: torch.compile'd step (incompatible with the CPU peak tracker)
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -89,3 +94,420 @@ def param_groups(model, weight_decay: float) -> list[dict]:
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
+
+
+def adam_args(cfg) -> dict:
+    """The TrainingArguments that carry betas and eps to the Trainer's optimizer."""
+    betas = cfg.optim.betas
+    return {"adam_beta1": betas[0], "adam_beta2": betas[1], "adam_epsilon": cfg.optim.get("eps", 1e-8)}
+
+
+# --- torch ------------------------------------------------------------------------------------------------
+
+
+def build_adamw(model, cfg):
+    import torch
+
+    groups = param_groups(model, cfg.train.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
+def estimate_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    # exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 `step` tensor per parameter
+    return total(size((2 * p.numel, p.itemsize), (1, FP32)) for p in params)
+
+
+def build_adafactor_torch(model, cfg):
+    import torch
+
+    groups = param_groups(model, cfg.train.weight_decay)
+    return torch.optim.Adafactor(groups, lr=cfg.train.lr)
+
+
+def factored(shape) -> int:
+    """Elements of the row + column statistics of a factored second moment (n + m for an n x m matrix)."""
+    return prod(shape[:-1]) + prod(shape[:-2]) * shape[-1]
+
+
+def estimate_adafactor_torch(params, cfg, variant=None, model_config=None) -> StateSize:
+    # row_var + col_var for matrices, variance for vectors (parameter dtype), a float32 `step` tensor
+    return total(
+        size((factored(p.shape) if len(p.shape) >= 2 else p.numel, p.itemsize), (1, FP32)) for p in params
+    )
+
+
+def build_sgd(model, cfg):
+    import torch
+
+    groups = param_groups(model, cfg.train.weight_decay)
+    return torch.optim.SGD(groups, lr=cfg.train.lr, momentum=cfg.optim.momentum)
+
+
+def estimate_sgd(params, cfg, variant=None, model_config=None) -> StateSize:
+    return total(size((p.numel, p.itemsize)) for p in params)  # momentum_buffer
+
+
+# --- transformers -----------------------------------------------------------------------------------------
+
+
+def build_adafactor(model, cfg):
+    from transformers.optimization import Adafactor
+
+    # what TrainingArguments(optim="adafactor") builds
+    groups = param_groups(model, cfg.train.weight_decay)
+    return Adafactor(groups, lr=cfg.train.lr, scale_parameter=False, relative_step=False)
+
+
+def estimate_adafactor(params, cfg, variant=None, model_config=None) -> StateSize:
+    # fp32 statistics: row + column for matrices, full for vectors; no exp_avg (beta1 is None);
+    # `RMS` a float32 0-d tensor, `step` a Python int (int64)
+    return total(
+        size((factored(p.shape) if len(p.shape) >= 2 else p.numel, FP32), (1, FP32), (1, INT64))
+        for p in params
+    )
+
+
+# --- bitsandbytes -----------------------------------------------------------------------------------------
+
+
+def bnb_builder(kind: str, bits: int, paged: bool = False):
+    def build(model, cfg):
+        import bitsandbytes as bnb
+
+        groups = param_groups(model, cfg.train.weight_decay)
+        cls = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[kind]
+        extra = {"eps": cfg.optim.eps} if kind == "adamw" else {}
+        return cls(
+            groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), optim_bits=bits, is_paged=paged, **extra
+        )
+
+    return build
+
+
+def bnb_estimator(states: int, bits: int):
+    """bitsandbytes: `states` moments per parameter; 8-bit ones as uint8 codes + an fp32 absmax per block of
+    256, except tensors under 4096 elements (and, in the Trainer's variant, embedding weights) which keep
+    fp32 state; one shared fp32 quantization map per moment; `step` a Python int."""
+
+    def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
+        parts, any_8bit = [], False
+        for p in params:
+            eight = bits == 8 and p.numel >= BNB_MIN_8BIT_SIZE
+            eight = eight and not (variant == TRAINER_EMBEDDING_FP32 and p.is_embedding)
+            any_8bit |= eight
+            moment = size((p.numel, 1), (ceil(p.numel / BNB_BLOCK), FP32)) if eight else size((p.numel, FP32))
+            parts += [moment] * states + [size((1, INT64))]
+        if any_8bit:
+            parts.append(size((states * BNB_QMAP, FP32)))
+        return total(parts)
+
+    return estimate
+
+
+# --- torchao ----------------------------------------------------------------------------------------------
+
+TORCHAO = {  # name -> (class, code bytes per element, quantization-map elements per state)
+    "8bit": ("AdamW8bit", 1.0, 256),
+    "4bit": ("AdamW4bit", 0.5, 16),
+    "fp8": ("AdamWFp8", 1.0, 0),
+}
+
+
+def torchao_builder(kind: str):
+    def build(model, cfg):
+        import torchao.optim
+
+        groups = param_groups(model, cfg.train.weight_decay)
+        cls = getattr(torchao.optim, TORCHAO[kind][0])
+        kwargs = {"block_size": cfg.optim.block_size}
+        if kind != "fp8":
+            kwargs["bf16_stochastic_round"] = False
+        return cls(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, **kwargs)
+
+    return build
+
+
+def torchao_estimator(kind: str):
+    """torchao: exp_avg and exp_avg_sq as tensor subclasses (codes + an fp32 scale per block + own qmap) for
+    tensors of >= 4096 elements divisible by the block size, plain fp32 otherwise; a float32 `step` tensor."""
+    _, code_bytes, qmap = TORCHAO[kind]
+
+    def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
+        block = cfg.optim.block_size
+        parts = []
+        for p in params:
+            if p.numel >= TORCHAO_MIN_SIZE and p.numel % block == 0:
+                codes = int(p.numel * code_bytes)
+                moment = size((codes, 1), (p.numel // block, FP32), (qmap, FP32))
+            else:
+                moment = size((p.numel, FP32))
+            parts += [moment, moment, size((1, FP32))]
+        return total(parts)
+
+    return estimate
+
+
+# --- GaLore -----------------------------------------------------------------------------------------------
+
+
+def galore_targets(model, cfg) -> set[str]:
+    """Weights of the nn.Linear modules that match optim.target_modules, as the Trainer selects them."""
+    from torch import nn
+    from transformers.trainer_utils import check_target_module_exists
+
+    targets = list(cfg.optim.target_modules)
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and check_target_module_exists(targets, name)
+    }
+
+
+def galore_kwargs(cfg) -> dict:
+    o = cfg.optim
+    return {"rank": o.rank, "update_proj_gap": o.update_proj_gap, "scale": o.scale, "proj_type": o.proj_type}
+
+
+def build_galore_adamw(model, cfg):
+    from galore_torch import GaLoreAdamW
+
+    targets = galore_targets(model, cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # the Trainer's GaLore groups: everything else, then the projected weights (no weight-decay split)
+    groups = [
+        {"params": [p for n, p in named if n not in targets]},
+        {"params": [p for n, p in named if n in targets], **galore_kwargs(cfg)},
+    ]
+    return GaLoreAdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
+def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Projected weights (m x n, std projection): Adam moments of the low-rank gradient, (m x r) when m >= n
+    else (r x n), r = min(rank, m, n); the projector keeps the SVD factor it slices (U or Vh), which holds
+    min(m, n)^2 fp32 values because the slice is a view. Other parameters: plain Adam. `step` a Python int."""
+    if cfg.optim.proj_type != "std":
+        raise NotImplementedError("the GaLore estimate models proj_type=std")
+    # names alone do not tell module types; targets are 2-D weights whose name matches, as galore_targets
+    from transformers.trainer_utils import check_target_module_exists
+
+    targets = list(cfg.optim.target_modules)
+    parts = []
+    for p in params:
+        module = p.name.removesuffix(".weight")
+        if p.name.endswith(".weight") and len(p.shape) == 2 and check_target_module_exists(targets, module):
+            m, n = p.shape
+            r = min(cfg.optim.rank, m, n)
+            low_rank = m * r if m >= n else r * n
+            # the projector object also keeps rank, verbose, update_proj_gap and scale as Python scalars
+            knobs = [cfg.optim.rank, False, cfg.optim.update_proj_gap, cfg.optim.scale]
+            projector = size((min(m, n) ** 2, FP32), *[(1, scalar_bytes(v)) for v in knobs])
+            parts += [size((2 * low_rank, FP32), (1, INT64)), projector]
+        else:
+            parts += [size((2 * p.numel, p.itemsize), (1, INT64))]
+    return total(parts)
+
+
+# --- Adam-mini --------------------------------------------------------------------------------------------
+
+
+def build_adam_mini(model, cfg):
+    from adam_mini import Adam_mini
+
+    dim, heads = attention_dims(model.config)
+    optimizer = Adam_mini(
+        named_parameters=model.named_parameters(),
+        lr=cfg.train.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.train.weight_decay,
+        dim=dim,
+        n_heads=heads,
+        verbose=False,
+    )
+    # Adam-mini picks each parameter's block type by substrings of its name; these sets are configurable
+    # because its defaults are written for Llama-style names
+    for key in ("embd_names", "output_names", "wqk_names", "wv_names", "attn_proj_names", "mlp_names"):
+        setattr(optimizer, key, set(cfg.optim.names[key]))
+    return optimizer
+
+
+def attention_dims(config) -> tuple[int, int]:
+    """Hidden size and attention heads of a transformers config (BERT-, DistilBERT- and GPT-2-style names)."""
+    dim = next(getattr(config, k) for k in ("hidden_size", "dim", "n_embd") if hasattr(config, k))
+    heads = next(
+        getattr(config, k) for k in ("num_attention_heads", "n_heads", "n_head") if hasattr(config, k)
+    )
+    return dim, heads
+
+
+def adam_mini_block(name: str, names) -> str:
+    """Adam-mini's block type of a parameter, by the same name rules it applies (lower-cased names)."""
+    name = name.lower()
+    if "bias" in name:
+        return "adam"
+    if any(k in name for k in names.wqk_names):
+        return "head"
+    groups = ("embd_names", "output_names", "wv_names", "mlp_names", "attn_proj_names")
+    if any(k in name for g in groups for k in names[g]):
+        return "neuron"
+    return "block"
+
+
+def estimate_adam_mini(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Adam-mini: m full-size for every parameter; v full-size only for biases; one v per attention head
+    for query/key, per output row for embedding/value/MLP/projection, one per tensor otherwise. Bookkeeping
+    scalars: `step` (int), `head_per_gpu`/`neuron_per_gpu` (int), `reduced` (bool), `block_numel` (float)."""
+    names = cfg.optim.names
+    dim, n_heads = attention_dims(model_config)
+    parts = []
+    for p in params:
+        m = (p.numel, p.itemsize)
+        kind = adam_mini_block(p.name, names)
+        if kind == "adam":
+            parts.append(size(m, m, (1, INT64)))
+        elif kind == "head":
+            heads = p.numel // (dim * dim // n_heads)  # m viewed as (heads, dim * dim / n_heads)
+            parts.append(size(m, (heads, p.itemsize), (1, INT64), (1, INT64)))
+        elif kind == "neuron":
+            parts.append(size(m, (p.shape[0], p.itemsize), (1, INT64), (1, INT64)))
+        else:
+            parts.append(size(m, (1, p.itemsize), (1, INT64), (1, 1), (1, FP32)))
+    return total(parts)
+
+
+# --- schedule-free ----------------------------------------------------------------------------------------
+
+
+def build_schedule_free_adamw(model, cfg):
+    from schedulefree import AdamWScheduleFree
+
+    groups = param_groups(model, cfg.train.weight_decay)
+    return AdamWScheduleFree(
+        groups,
+        lr=cfg.train.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.train.weight_decay,
+        warmup_steps=cfg.train.warmup_steps,
+        r=0.0,
+        weight_lr_power=2.0,
+    )
+
+
+def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    return total(
+        size((2 * p.numel, p.itemsize)) for p in params
+    )  # z and exp_avg_sq; the step count is per group
+
+
+# --- the registry -----------------------------------------------------------------------------------------
+
+REGISTRY: dict[str, OptimizerSpec] = {
+    spec.name: spec
+    for spec in [
+        OptimizerSpec("adamw", build_adamw, estimate_adamw, "adamw_torch", adam_args),
+        OptimizerSpec("adafactor", build_adafactor, estimate_adafactor, "adafactor"),
+        OptimizerSpec("adafactor_torch", build_adafactor_torch, estimate_adafactor_torch),
+        OptimizerSpec(
+            "sgd",
+            build_sgd,
+            estimate_sgd,
+            "sgd",
+            lambda cfg: {"optim_args": f"momentum={cfg.optim.momentum}"},
+        ),
+        OptimizerSpec(
+            "adamw_8bit",
+            bnb_builder("adamw", 8),
+            bnb_estimator(2, 8),
+            "adamw_bnb_8bit",
+            adam_args,
+            TRAINER_EMBEDDING_FP32,
+            ("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "paged_adamw_8bit",
+            bnb_builder("adamw", 8, paged=True),
+            bnb_estimator(2, 8),
+            "paged_adamw_8bit",
+            adam_args,
+            TRAINER_EMBEDDING_FP32,
+            ("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "lion_8bit",
+            bnb_builder("lion", 8),
+            bnb_estimator(1, 8),
+            "lion_8bit",
+            adam_args,
+            TRAINER_EMBEDDING_FP32,
+            ("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "lion_32bit",
+            bnb_builder("lion", 32),
+            bnb_estimator(1, 32),
+            "lion_32bit",
+            adam_args,
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "adamw_torchao_8bit",
+            torchao_builder("8bit"),
+            torchao_estimator("8bit"),
+            "adamw_torch_8bit",
+            adam_args,
+            requires=("torchao",),
+            compiles_step=True,
+        ),
+        OptimizerSpec(
+            "adamw_torchao_4bit",
+            torchao_builder("4bit"),
+            torchao_estimator("4bit"),
+            "adamw_torch_4bit",
+            adam_args,
+            requires=("torchao",),
+            compiles_step=True,
+        ),
+        OptimizerSpec(
+            "adamw_torchao_fp8",
+            torchao_builder("fp8"),
+            torchao_estimator("fp8"),
+            requires=("torchao",),
+            compiles_step=True,
+        ),
+        OptimizerSpec(
+            "galore_adamw",
+            build_galore_adamw,
+            estimate_galore_adamw,
+            "galore_adamw",
+            lambda cfg: {
+                **adam_args(cfg),
+                "optim_target_modules": list(cfg.optim.target_modules),
+                "optim_args": ",".join(f"{k}={v}" for k, v in galore_kwargs(cfg).items()),
+            },
+            requires=("galore_torch",),
+        ),
+        OptimizerSpec("adam_mini", build_adam_mini, estimate_adam_mini, requires=("adam_mini",)),
+        OptimizerSpec(
+            "schedule_free_adamw",
+            build_schedule_free_adamw,
+            estimate_schedule_free_adamw,
+            "schedule_free_adamw",
+            adam_args,
+            requires=("schedulefree",),
+            needs_train_eval_mode=True,
+        ),
+    ]
+}
+
+
+def get(name: str) -> OptimizerSpec:
+    if name not in REGISTRY:
+        raise KeyError(f"optim.name={name!r} is not registered; choose one of: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def missing_packages(spec: OptimizerSpec) -> list[str]:
+    import importlib.util
+
+    return [pkg for pkg in spec.requires if importlib.util.find_spec(pkg) is None]

@@ -44,9 +44,14 @@ def job_params(cfg: DictConfig) -> dict:
     }
 
 
-def run_job_process(job_dir: Path) -> str | None:
+def run_job_process(job_dir: Path, outputs_dir: Path) -> str | None:
     """Run the job in a fresh interpreter; None on success, else the error text."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(outputs_dir.resolve() / "cache" / "torchinductor"),
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.run([sys.executable, "-m", "pipeline.job", str(job_dir)], env=env)
     if proc.returncode == 0:
         return None
@@ -88,18 +93,18 @@ def run(cfg: DictConfig) -> float | None:
         OmegaConf.save(cfg, job_dir / CONFIG_FILE, resolve=True)
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         if error is None:
-            error = run_job_process(job_dir)
+            error = run_job_process(job_dir, Path(cfg.outputs_dir))
         if error is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
             return result["metrics"]["eval_f1"]
-        last_line = error.strip().splitlines()[-1]
-        tracker.log(run_id, tags={"error": last_line})
+        summary = error.strip().splitlines()[0]
+        tracker.log(run_id, tags={"error": summary})
         tracker.log_artifact(run_id, _write(job_dir / ERROR_FILE, error))
         tracker.end(run_id, "FAILED")
         FAILED_JOBS.append(name)
-        print(f"[job] {name} FAILED: {last_line}", file=sys.stderr, flush=True)
+        print(f"[job] {name} FAILED: {summary}", file=sys.stderr, flush=True)
         return None
     except BaseException:
         tracker.end(run_id, "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")

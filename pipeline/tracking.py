@@ -20,13 +20,17 @@ _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100  # MLflow's log_batch limi
 _MAX_TAG_CHARS = 8000
 
 
+def store_uri(uri: str | None, outputs_dir: str | Path) -> str:
+    """uri, else $MLFLOW_TRACKING_URI, else a sqlite file under outputs_dir."""
+    return (
+        uri
+        or os.environ.get("MLFLOW_TRACKING_URI")
+        or f"sqlite:///{Path(outputs_dir).resolve() / 'mlflow.db'}"
+    )
+
+
 def tracking_uri(cfg: DictConfig) -> str:
-    """tracking.uri, else $MLFLOW_TRACKING_URI, else a sqlite file under outputs_dir."""
-    if cfg.tracking.uri:
-        return cfg.tracking.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(cfg.outputs_dir).resolve() / 'mlflow.db'}"
+    return store_uri(cfg.tracking.uri, cfg.outputs_dir)
 
 
 def _chunks(items: list, size: int):
@@ -147,7 +151,21 @@ class SweepCallback(Callback):
         runs = tracker.child_runs(ids["experiment_id"], ids["parent_run_id"])
         failed = [r for r in runs if r.info.status != "FINISHED"]
         tracker.log(ids["parent_run_id"], metrics={"jobs": len(runs), "jobs_failed": len(failed)})
-        tracker.end(ids["parent_run_id"], "FAILED" if failed else "FINISHED")
         print(f"\n[sweep] {len(runs)} jobs, {len(failed)} failed; parent run {ids['parent_run_id']}")
         if runs:
+            self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir))
+        tracker.end(ids["parent_run_id"], "FAILED" if failed else "FINISHED")
+
+    @staticmethod
+    def _report(tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path) -> None:
+        """Build the sweep's report, log it to the parent run and print its short table."""
+        try:
+            from pipeline import report
+
+            out, table = report.build(tracker.uri, [parent_run_id], root=outputs_dir / "report")
+            tracker.client.log_artifacts(parent_run_id, str(out), "report")
+            print(report.console_table(table) if len(table) else "[sweep] no finished jobs")
+            print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")
+        except Exception as err:  # the report is a convenience: it must never hide the sweep's results
+            print(f"[sweep] report not built: {type(err).__name__}: {err}")
             print(summary_table(runs))

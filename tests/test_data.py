@@ -2,7 +2,6 @@ import json
 
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
 from pipeline import data, models
 from tests.conftest import compose_cfg
@@ -99,14 +98,3 @@ def test_tokenize_truncates_and_maps_ids_beyond_the_model_vocabulary():
     assert max(len(row) for row in out.train["input_ids"]) <= 12
     assert max(ids) < 1000
     assert out.train["labels"] == splits.train["label"]
-
-
-def test_pretrained_hub_model_not_cached_says_what_to_do():
-    cfg = compose_cfg("model=distilbert-base-cased")
-    with pytest.raises(OSError, match="model.pretrained=false"):
-        models.load_model(cfg.model, num_labels=2)
-
-
-def test_packaged_minilm_is_the_real_pretrained_model():
-    model = models.load_model(OmegaConf.load("conf/model/minilm.yaml"), num_labels=2)
-    assert sum(p.numel() for n, p in model.named_parameters() if not n.startswith("classifier")) == 22_713_216

@@ -71,17 +71,19 @@ def test_measured_state_equals_estimate(model_name, optim):
         assert sum(p.numel() for p in model.parameters()) == 65_783_042
         assert len(list(model.parameters())) == 104
     spec = optimizers.get(optim)
-    optimizer = spec.build(optimizers.param_groups(model, 0.01), cfg)
+    optimizer = spec.build(model, cfg)
+    if spec.needs_train_eval_mode:
+        optimizer.train()
     one_step(model, optimizer, models.vocab_size(model))
     measured = optimizer_state_size(optimizer)
-    estimated = spec.estimate_state(optimizers.param_layout(model.parameters()))
+    estimated = spec.estimate(optimizers.param_infos(model), cfg, None, model.config)
     assert measured == estimated
 
 
 def test_distilbert_adamw_state_matches_the_quick_estimate():
     cfg = compose_cfg("model=distilbert-base-cased", "model.pretrained=false")
     model = models.load_model(cfg.model, num_labels=2)
-    size = optimizers.get("adamw").estimate_state(optimizers.param_layout(model.parameters()))
+    size = optimizers.get("adamw").estimate(optimizers.param_infos(model), cfg)
     # num_parameters * 8 bytes, plus one 4-byte step per tensor
     assert size.bytes == 65_783_042 * 8 + 104 * 4
     assert 501 < size.mb < 503

@@ -14,7 +14,6 @@ from transformers import DataCollatorWithPadding, get_scheduler
 
 from pipeline.backends import TrainOutput, classification_metrics
 from pipeline.memory import PeakMemory
-from pipeline.optimizers import param_groups
 
 
 def batches(loader, steps: int):
@@ -40,7 +39,7 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
-    optimizer = spec.build(param_groups(model, cfg.train.weight_decay), cfg)
+    optimizer = spec.build(model, cfg)
     scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
@@ -48,6 +47,8 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
 
     losses = []
     model.train()
+    if spec.needs_train_eval_mode:
+        optimizer.optimizer.train()
     with PeakMemory(accelerator.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
         start = time.perf_counter()
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
@@ -66,6 +67,8 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         runtime = time.perf_counter() - start
 
     model.eval()
+    if spec.needs_train_eval_mode:
+        optimizer.optimizer.eval()
     logits, labels, loss_sum = [], [], 0.0
     with torch.no_grad():
         for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):

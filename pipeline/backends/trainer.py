@@ -13,7 +13,8 @@ from pipeline.memory import PeakMemory
 
 
 def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
-    betas = cfg.optim.get("betas") or (0.9, 0.999)
+    # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
+    optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
@@ -24,10 +25,6 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         lr_scheduler_type=cfg.train.lr_scheduler,
         warmup_steps=cfg.train.warmup_steps,
         max_grad_norm=cfg.train.max_grad_norm,
-        optim=spec.trainer_optim,
-        adam_beta1=betas[0],
-        adam_beta2=betas[1],
-        adam_epsilon=cfg.optim.get("eps") or 1e-8,
         seed=cfg.seed,
         logging_strategy="steps",
         logging_steps=1,
@@ -35,6 +32,7 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
         use_cpu=not torch.cuda.is_available(),
+        **optim_args,
     )
     trainer = Trainer(
         model=model,
@@ -44,6 +42,7 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         data_collator=DataCollatorWithPadding(tokenizer),
         processing_class=tokenizer,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
+        optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
     )
     with PeakMemory(args.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
         start = time.perf_counter()
