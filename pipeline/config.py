@@ -11,6 +11,8 @@ from pipeline.data import FILE_BUILDERS, PACKAGED
 from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
 
 BACKENDS = ("trainer", "accelerator")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
+PADDINGS = ("longest", "max_length")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 
 
@@ -33,7 +35,14 @@ def _check(cfg: DictConfig, key: str, ok, allowed: str) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first bad value."""
-    for key, names in (("optim.name", REGISTRY), ("backend.name", BACKENDS), ("data.loader", DATA_LOADERS)):
+    choices = {
+        "optim.name": REGISTRY,
+        "backend.name": BACKENDS,
+        "data.loader": DATA_LOADERS,
+        "train.precision": PRECISIONS,
+        "train.padding": PADDINGS,
+    }
+    for key, names in choices.items():
         _check(cfg, key, lambda v, names=names: v in names, f"allowed values are {', '.join(names)}")
     missing = missing_packages(REGISTRY[cfg.optim.name])
     if missing:

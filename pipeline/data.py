@@ -130,3 +130,28 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
         return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
 
     return Splits(run(splits.train), run(splits.eval), splits.label_names)
+
+
+class PaddingCollator:
+    """Pads each batch (to its longest text, or to max_length) and records its real and padded token counts.
+
+    Batches are collated in the order they are drawn, so the first `max_steps` records are the training
+    batches, whatever a data loader fetches ahead or evaluates afterwards.
+    """
+
+    def __init__(self, tokenizer, padding: str, max_length: int):
+        from transformers import DataCollatorWithPadding
+
+        self._pad = DataCollatorWithPadding(tokenizer, padding=padding, max_length=max_length)
+        self.batches: list[tuple[int, int]] = []  # (non-padding tokens, all tokens) per batch
+
+    def __call__(self, features):
+        batch = self._pad(features)
+        mask = batch["attention_mask"]
+        self.batches.append((int(mask.sum()), mask.numel()))
+        return batch
+
+    def token_counts(self, steps: int) -> tuple[int, int]:
+        """(real tokens, all tokens) of the first `steps` batches."""
+        real, padded = zip(*self.batches[:steps], strict=True) if self.batches else ((), ())
+        return sum(real), sum(padded)

@@ -38,7 +38,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
 
     from pipeline import backends, data, models, optimizers
     from pipeline.memory import optimizer_state_size, peak_rss_mb
-    from pipeline.timing import StepTimer
+    from pipeline.timing import StepTimer, peak_flops
 
     spec = optimizers.get(cfg.optim.name)
     tags = {f"version.{k}": v for k, v in library_versions().items()}
@@ -47,22 +47,37 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         # fullgraph=True, which then raises: run its step eagerly instead (same math, same state)
         torch.compile = eager_compile
         tags["optim_compiled"] = "false: eager on CPU, where the tensor-level peak tracker is active"
+    precision = cfg.train.precision
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError(
+            "train.precision=fp16 needs a CUDA device and torch sees none: use bf16 or fp32 here"
+        )
     transformers.set_seed(cfg.seed)
     tokenizer = models.load_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data)
     model = models.load_model(cfg.model, splits.num_labels)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if precision == "bf16_pure":
+        model.to(
+            torch.bfloat16
+        )  # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
     splits = data.tokenize(splits, tokenizer, cfg.train.max_length, models.vocab_size(model))
+    collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
     backend = cfg.backend.name
     variant = spec.trainer_variant if backend == "trainer" and spec.trainer_optim else None
     num_params = sum(p.numel() for p in model.parameters())
     estimate = spec.estimate(optimizers.param_infos(model), cfg, variant, model.config)
 
     with StepTimer() as steps:
-        out = backends.get(backend).train(cfg, model, tokenizer, splits, spec, job_dir)
+        out = backends.get(backend).train(cfg, model, splits, spec, collate, job_dir)
 
     state = optimizer_state_size(out.optimizer)
     samples = cfg.train.max_steps * cfg.batch_size
+    tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
+    peak, peak_source = peak_flops(out.device, precision, Path(cfg.outputs_dir) / "cache")
+    tags["mfu_peak"] = peak_source
+    # training costs about 6 FLOPs per parameter per (non-padding) token: 2 forward, 4 backward
+    model_flops_per_s = 6 * num_params * tokens / out.train_runtime_s
     metrics = {
         "model_num_params": num_params,
         "optimizer_state_numel": state.numel,
@@ -76,6 +91,10 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "train_loss_final": out.losses[-1],
         "train_runtime_s": out.train_runtime_s,
         "train_samples_per_second": samples / out.train_runtime_s,
+        "train_tokens": tokens,
+        "train_tokens_per_second": tokens / out.train_runtime_s,
+        "padding_fraction": 1 - tokens / padded_tokens,
+        **({"mfu": model_flops_per_s / peak, "device_peak_tflops": peak / 1e12} if peak else {}),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
     }
     if "paged" in spec.name and not out.device.startswith("cuda"):

@@ -27,7 +27,7 @@ EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 BASELINE = "adamw"
 OUTPUTS = "outputs"  # conf/config.yaml's outputs_dir
 # the comparison group of a row: Δ is taken against the baseline optimizer of the same group
-GROUP = ["model", "batch_size", "backend"]
+GROUP = ["model", "batch_size", "backend", "precision"]
 # settings that split rows further when a sweep varies them (never the seed: seeds are the repeats)
 OTHER_SETTINGS = ["data", "lr", "max_steps", "max_length", "weight_decay", "pretrained"]
 # comparison-table column (unit in brackets) <- MLflow metric
@@ -41,6 +41,9 @@ COLUMNS = {
     "eval accuracy [0-1]": "eval_accuracy",
     "eval F1 [0-1]": "eval_f1",
     "throughput [samples/s]": "train_samples_per_second",
+    "throughput [tokens/s]": "train_tokens_per_second",
+    "padding [0-1]": "padding_fraction",
+    "MFU [0-1]": "mfu",
     "optimizer step [ms]": "optimizer_step_ms",
 }
 DELTAS = {"state": "state [MB]", "peak": "peak [MB]"}
@@ -67,6 +70,9 @@ LEGEND = {
     "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`)",
     "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of label 1 for 2 labels, macro F1 otherwise",
     "throughput [samples/s]": "max_steps × batch_size / training wall time (`train_samples_per_second`)",
+    "throughput [tokens/s]": "non-padding training tokens per second of training wall time (`train_tokens_per_second`)",
+    "padding [0-1]": "share of the training batches' tokens that are padding (`padding_fraction`)",
+    "MFU [0-1]": "model FLOPs utilisation: 6 × parameters × tokens/s against the device's peak for the precision",
     "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
 }
 PLOTS = {
@@ -74,6 +80,7 @@ PLOTS = {
     "peak_memory.png": "Peak memory per optimizer and batch size (error bars: std over seeds)",
     "f1_vs_peak.png": "Eval F1 against peak memory; the Pareto front (less memory, higher F1) is marked",
     "train_loss.png": "Training loss per optimizer (line: mean over seeds, band: min to max)",
+    "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
 }
 DPI = 110
 
@@ -351,6 +358,14 @@ def plot_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_throughput(table: pd.DataFrame, colors: dict, path: Path) -> None:
+    fig, ax = _figure()
+    _bars(table, _labels(table, point_columns(table)), "throughput [tokens/s]", colors, ax)
+    ax.set_ylabel("training throughput [tokens/s]")
+    ax.set_title("Throughput per optimizer and precision")
+    fig.savefig(path)
+
+
 def plot_f1_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
     x, y = "peak [MB]", "eval F1 [0-1]"
     fig, ax = _figure()
@@ -452,6 +467,8 @@ def write_report(
             plot_f1_peak(table, colors, out / "f1_vs_peak.png")
         if not history.empty:
             plot_losses(history, jobs, colors, out / "train_loss.png")
+        if table["throughput [tokens/s]"].notna().any():
+            plot_throughput(table, colors, out / "throughput.png")
     plots = {name: caption for name, caption in PLOTS.items() if (out / name).exists()}
     shown, failed = format_table(table), failed_table(jobs)
     front = "none"

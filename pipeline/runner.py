@@ -41,6 +41,9 @@ def job_params(cfg: DictConfig) -> dict:
         "max_length": cfg.train.max_length,
         "weight_decay": cfg.train.weight_decay,
         "pretrained": cfg.model.pretrained,
+        "precision": cfg.train.precision,
+        "padding": cfg.train.padding,
+        "group_by_length": cfg.train.group_by_length,
     }
 
 

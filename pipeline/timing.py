@@ -1,9 +1,13 @@
-"""Optimizer step time, through torch's global optimizer hooks (any torch.optim.Optimizer, either backend)."""
+"""Throughput figures: optimizer step time (torch's global optimizer hooks, any optimizer, either backend) and
+the device peak FLOP/s that model FLOPs utilisation (MFU) is measured against."""
 
 from __future__ import annotations
 
+import json
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -44,3 +48,56 @@ class StepTimer:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.times_s) * 1000
+
+
+# Dense peak TFLOP/s of common GPUs (vendor data sheets, no sparsity): (16-bit tensor core, fp32 without TF32).
+# Matched by substring of torch.cuda.get_device_name(), first match wins.
+GPU_PEAK_TFLOPS = {
+    "H200": (989.0, 67.0),
+    "H100": (989.0, 67.0),
+    "A100": (312.0, 19.5),
+    "L40S": (362.0, 91.6),
+    "L4": (121.0, 30.3),
+    "A10": (125.0, 31.2),
+    "RTX 4090": (165.2, 82.6),
+    "V100": (125.0, 15.7),
+    "T4": (65.0, 8.1),
+}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp16": torch.float16}.get(
+        precision, torch.float32
+    )
+
+
+def cpu_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best FLOP/s of an n x n matmul on this CPU with torch's threads: the measured peak MFU divides by."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def peak_flops(device: str, precision: str, cache_dir: Path) -> tuple[float | None, str]:
+    """(peak FLOP/s for this device and precision, where the figure comes from); None when unknown."""
+    dtype = compute_dtype(precision)
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+        for key, (half, single) in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return (half if dtype != torch.float32 else single) * 1e12, f"data sheet: {key}"
+        return None, f"no known peak for {name}"
+    # CPU: measured once per machine, thread count and dtype, then cached (as for torch.compile)
+    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|{dtype}"
+    path = cache_dir / "cpu_peak_flops.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if key not in cache:
+        cache[key] = cpu_matmul_flops(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cache, indent=1))
+    return cache[key], "measured: best 1024x1024 matmul on this CPU"

@@ -139,7 +139,7 @@ def test_the_markdown_and_html_tables_show_mean_std_and_units(sweep, out, table)
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| model"))
     cells = [c.strip() for c in header.strip("|").split("|")]
-    assert all("[" in c for c in cells if c not in ("model", "backend", "optimizer")), cells
+    assert all("[" in c for c in cells if c not in ("model", "backend", "precision", "optimizer")), cells
     rows = [line for line in md.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 4
     for line, row in zip(rows, table.to_dict("records"), strict=True):

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
-from transformers import DataCollatorWithPadding, get_scheduler
+from transformers import get_scheduler
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from pipeline.backends import TrainOutput, classification_metrics
 from pipeline.memory import PeakMemory
@@ -27,17 +28,17 @@ def batches(loader, steps: int):
             yield batch
 
 
-def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
+def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    collate = DataCollatorWithPadding(tokenizer)
-    train_loader = DataLoader(
-        splits.train,
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
+    mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    if cfg.train.group_by_length:
+        lengths = [len(ids) for ids in splits.train["input_ids"]]
+        sampler = LengthGroupedSampler(cfg.batch_size, lengths=lengths, generator=generator)
+    else:
+        sampler = RandomSampler(splits.train, generator=generator)
+    train_loader = DataLoader(splits.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
     eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
     optimizer = spec.build(model, cfg)
     scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)

@@ -6,13 +6,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from pipeline.backends import TrainOutput, classification_metrics
 from pipeline.memory import PeakMemory
 
 
-def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
+def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
     # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
     optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
     args = TrainingArguments(
@@ -32,6 +32,9 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
         use_cpu=not torch.cuda.is_available(),
+        bf16=cfg.train.precision == "bf16",
+        fp16=cfg.train.precision == "fp16",
+        train_sampling_strategy="group_by_length" if cfg.train.group_by_length else "random",
         **optim_args,
     )
     trainer = Trainer(
@@ -39,8 +42,7 @@ def train(cfg, model, tokenizer, splits, spec, job_dir: Path) -> TrainOutput:
         args=args,
         train_dataset=splits.train,
         eval_dataset=splits.eval,
-        data_collator=DataCollatorWithPadding(tokenizer),
-        processing_class=tokenizer,
+        data_collator=collate,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
         optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
     )
