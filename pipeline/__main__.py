@@ -1,5 +1,6 @@
 """`python -m pipeline [-m] key=value ...`: Hydra entry point; each job goes to pipeline.runner."""
 
+import signal
 import sys
 
 import hydra
@@ -7,7 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, validate
+from pipeline.config import ConfigError, check_group_overrides, validate
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -24,9 +25,27 @@ def main(cfg: DictConfig) -> float | None:
     return runner.run(cfg)
 
 
-if __name__ == "__main__":
-    main()
-    from pipeline.runner import FAILED_JOBS
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
+
+if __name__ == "__main__":
+    try:
+        check_group_overrides(sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    # SIGTERM (a scheduler, `kill`) stops the sweep like Ctrl-C: the running job is killed, runs marked KILLED
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        main()
+    except KeyboardInterrupt as err:
+        print(f"\n[sweep] interrupted ({err or 'Ctrl-C'}): the running job and the sweep are marked KILLED")
+        sys.exit(130)
+    from pipeline.runner import FAILED_JOBS, SKIPPED_JOBS
+
+    if SKIPPED_JOBS:
+        print(f"[sweep] {len(SKIPPED_JOBS)} skipped (FINISHED before; force=true reruns them)")
     if FAILED_JOBS:
+        print(f"[sweep] {len(FAILED_JOBS)} failed: " + "; ".join(FAILED_JOBS), file=sys.stderr)
         sys.exit(1)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import os
+import re
 from numbers import Real
 from pathlib import Path
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
@@ -16,8 +21,27 @@ PADDINGS = ("longest", "max_length")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("optim", "model", "data", "backend", "tracking")
+
+
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key, the value and what is allowed."""
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """`optim=adamx` on the command line: one line naming the choices, before Hydra composes anything."""
+    for arg in argv:
+        match = re.fullmatch(
+            r"(\w+)=([\w.,-]+)", arg
+        )  # plain values and comma sweeps; leave the rest to Hydra
+        if not match or match[1] not in GROUPS:
+            continue
+        group, values = match[1], match[2].split(",")
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        for value in values:
+            if value not in options:
+                raise ConfigError(f"{group}={value} is invalid: allowed values are {', '.join(options)}")
 
 
 def _value(cfg: DictConfig, key: str):
@@ -54,6 +78,9 @@ def validate(cfg: DictConfig) -> None:
         _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
     _check(cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     _check(cfg, "train.lr", lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
+    _check(
+        cfg, "memory_budget_mb", lambda v: v is None or (isinstance(v, Real) and v > 0), "must be null or > 0"
+    )
     positions = cfg.model.max_tokens
     _check(
         cfg,
@@ -61,6 +88,7 @@ def validate(cfg: DictConfig) -> None:
         lambda v: v <= positions,
         f"model {cfg.model.name} takes at most {positions} tokens",
     )
+    check_tracking_uri(cfg)
     if cfg.data.loader == "files":
         for key in ("data.train_file", "data.eval_file"):
             _check(
@@ -70,3 +98,49 @@ def validate(cfg: DictConfig) -> None:
                 f"file type must be {', '.join(FILE_BUILDERS)}",
             )
             _check(cfg, key, lambda v: Path(v).is_file(), "no such file")
+            _check(cfg, key, lambda v: os.access(v, os.R_OK), "file is not readable")
+            columns = header(Path(_value(cfg, key)))
+            for column in ("data.text_column", "data.label_column"):
+                if columns is not None and _value(cfg, column) not in columns:
+                    raise ConfigError(
+                        f"{column}={_value(cfg, column)!r} is invalid: {key} has the columns {', '.join(columns)}"
+                    )
+
+
+def header(path: Path) -> list[str] | None:
+    """Column names of a csv or json-lines file from its first line (None for other formats)."""
+    with path.open(newline="") as file:
+        first = file.readline()
+    if path.suffix == ".csv":
+        return next(csv.reader([first]), [])
+    if path.suffix in (".json", ".jsonl") and first.lstrip().startswith("{"):
+        try:
+            return list(json.loads(first))
+        except json.JSONDecodeError:
+            return None  # a JSON array file: left to `datasets`
+    return None
+
+
+def check_tracking_uri(cfg: DictConfig) -> None:
+    """An http(s) MLflow server must answer before any job starts; a local store's folder must be writable."""
+    from pipeline.tracking import store_uri
+
+    uri = store_uri(cfg.tracking.uri, cfg.outputs_dir)
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=3).close()
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise ConfigError(
+                f"tracking uri {uri} does not answer ({reason}): start the server or fix the uri"
+            ) from None
+    elif parsed.scheme == "sqlite":
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        while not folder.exists():
+            folder = folder.parent
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"tracking uri {uri} is invalid: {folder} is not writable")

@@ -56,13 +56,16 @@ PACKAGED = {"rotten_tomatoes": rotten_tomatoes_frame, "bbc_news": bbc_news_frame
 
 
 def _encode_labels(train, eval_):
-    """Class ids 0..k-1: a ClassLabel column is kept, other values are numbered in sorted order."""
-    from datasets import ClassLabel
+    """Class ids 0..k-1: a ClassLabel column is kept, other values are numbered in sorted order (as text, so
+    that eval values are looked up by name and an unknown one is an error, integers included)."""
+    from datasets import ClassLabel, Value
 
     if not isinstance(train.features["label"], ClassLabel):
-        train = train.class_encode_column("label")
+        train = train.cast_column("label", Value("string")).class_encode_column("label")
     classes = train.features["label"]
     try:
+        if not isinstance(eval_.features["label"], ClassLabel):
+            eval_ = eval_.cast_column("label", Value("string"))
         eval_ = eval_.cast_column("label", classes)
     except ValueError as err:
         raise ValueError(f"eval labels must be among the training labels {classes.names}: {err}") from None

@@ -15,7 +15,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import MB
+
 RESULT_FILE, ERROR_FILE, CONFIG_FILE = "result.json", "error.txt", "config.yaml"
+FAILURE_FILE = "failure.json"  # the failure reason and the figures at the time, for the runner
 
 
 def library_versions() -> dict[str, str]:
@@ -58,9 +61,8 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     model = models.load_model(cfg.model, splits.num_labels)
     model.config.pad_token_id = tokenizer.pad_token_id
     if precision == "bf16_pure":
-        model.to(
-            torch.bfloat16
-        )  # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
+        # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
+        model.to(torch.bfloat16)
     splits = data.tokenize(splits, tokenizer, cfg.train.max_length, models.vocab_size(model))
     collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
     backend = cfg.backend.name
@@ -113,14 +115,36 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     }
 
 
+def failure_info(err: BaseException) -> dict:
+    """Why a job failed (`oom`, `nan_loss` or `exception`) and the figures that explain it."""
+    import torch
+
+    from pipeline.backends import NonFiniteLoss
+
+    if isinstance(err, torch.OutOfMemoryError):
+        if hasattr(err, "figures_mb"):  # the CPU budget
+            return {"reason": "oom", "metrics": err.figures_mb}
+        return {
+            "reason": "oom",
+            "metrics": {
+                "memory_allocated_mb": torch.cuda.memory_allocated() / MB,
+                "peak_memory_mb": torch.cuda.max_memory_allocated() / MB,
+            },
+        }
+    if isinstance(err, NonFiniteLoss):
+        return {"reason": "nan_loss", "metrics": {"nan_step": err.step}}
+    return {"reason": "exception", "metrics": {}}
+
+
 def main(job_dir: Path) -> int:
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     try:
         result = run(cfg, job_dir)
-    except BaseException as err:  # every failure goes to the runner: a summary line, then the traceback
+    except BaseException as err:  # every failure goes to the runner: reason, figures, summary, traceback
         message = str(err).strip().splitlines()
         summary = f"{type(err).__name__}: {message[0] if message else ''}"
         (job_dir / ERROR_FILE).write_text(f"{summary}\n\n{traceback.format_exc()}")
+        (job_dir / FAILURE_FILE).write_text(json.dumps(failure_info(err)))
         traceback.print_exc()
         return 1
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))

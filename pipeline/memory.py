@@ -66,11 +66,22 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
     return StateSize(numel, nbytes)
 
 
+class MemoryBudgetExceeded(torch.OutOfMemoryError):
+    """Live tensors past `memory_budget_mb` on CPU: the same failure a GPU of that size would give."""
+
+    def __init__(self, budget_bytes: int, live_bytes: int):
+        super().__init__(
+            f"CPU memory budget of {budget_bytes / MB:.1f} MB exceeded: {live_bytes / MB:.1f} MB of tensors live"
+        )
+        self.figures_mb = {"memory_allocated_mb": live_bytes / MB}
+
+
 class _CpuTensorPeak(TorchDispatchMode):
     """Live bytes of tensor storages created by ops inside the mode, plus a baseline of existing tensors."""
 
-    def __init__(self, baseline: list[torch.Tensor]):
+    def __init__(self, baseline: list[torch.Tensor], budget_bytes: int | None = None):
         super().__init__()
+        self.budget_bytes = budget_bytes
         self.current = self.peak = 0
         self._live = WeakIdKeyDictionary()
         for t in baseline:
@@ -88,6 +99,8 @@ class _CpuTensorPeak(TorchDispatchMode):
             weakref.finalize(storage, self._release, size)
             self.current += size
             self.peak = max(self.peak, self.current)
+            if self.budget_bytes is not None and self.current > self.budget_bytes:
+                raise MemoryBudgetExceeded(self.budget_bytes, self.current)
 
     def _release(self, size: int) -> None:
         self.current -= size
@@ -108,9 +121,10 @@ class PeakMemory:
     parameters count from the start); there is no caching allocator, so nothing is "reserved".
     """
 
-    def __init__(self, device: torch.device, baseline=()):
+    def __init__(self, device: torch.device, baseline=(), budget_mb: float | None = None):
         self.device = torch.device(device)
         self.baseline = list(baseline)
+        self.budget_bytes = None if budget_mb is None else int(budget_mb * MB)
         self.peak_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
 
@@ -118,8 +132,11 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            if self.budget_bytes is not None:  # the caching allocator then raises OutOfMemoryError past it
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
         else:
-            self._mode = _CpuTensorPeak(self.baseline)
+            self._mode = _CpuTensorPeak(self.baseline, self.budget_bytes)
             self._mode.__enter__()
         return self
 

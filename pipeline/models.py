@@ -25,8 +25,10 @@ def load_tokenizer(model_cfg: DictConfig):
     if model_cfg.package:
         tokenizer = AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
     else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_cfg.hub_id)
+        try:  # a random-weight model asks no network for its tokenizer: the local cache or the fallback
+            tokenizer = AutoTokenizer.from_pretrained(
+                model_cfg.hub_id, local_files_only=not model_cfg.pretrained
+            )
         except OSError:
             if model_cfg.pretrained:
                 raise

@@ -121,9 +121,10 @@ def find_sweeps(uri: str, selectors=(), experiment: str = EXPERIMENT) -> pd.Data
         elif mlflow.get_experiment_by_name(experiment) is None:
             raise ReportError(f"no experiment {experiment!r} in {uri}: run a sweep first (make run)")
         else:
+            # the latest sweep that ran jobs (a rerun whose points were all done before runs none)
             sweeps = mlflow.search_runs(
                 experiment_names=[experiment],
-                filter_string="tags.kind = 'sweep'",
+                filter_string="tags.kind = 'sweep' and metrics.jobs > 0",
                 order_by=["attributes.start_time DESC"],
                 max_results=1,
             )
@@ -177,12 +178,17 @@ def _typed(column: pd.Series) -> pd.Series:
 def job_table(raw: pd.DataFrame, sweep_names: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per job: identity, status, error, every param (typed) and every metric's last value."""
     raw = raw.sort_values("start_time", ignore_index=True)
-    tags = raw.reindex(columns=["tags.mlflow.runName", "tags.mlflow.parentRunId", "tags.error"])
-    tags.columns = ["run_name", "sweep_run_id", "error"]
+    tags = raw.reindex(
+        columns=["tags.mlflow.runName", "tags.mlflow.parentRunId", "tags.error", "tags.failure_reason"]
+    )
+    tags.columns = ["run_name", "sweep_run_id", "error", "failure_reason"]
     jobs = pd.concat(
         [raw.run_id, tags.run_name, tags.sweep_run_id.map(sweep_names or {}).rename("sweep")], axis=1
     )
-    jobs = pd.concat([jobs, tags.sweep_run_id, raw.status, tags.error, raw.start_time, raw.end_time], axis=1)
+    jobs = pd.concat(
+        [jobs, tags.sweep_run_id, raw.status, tags.failure_reason, tags.error, raw.start_time, raw.end_time],
+        axis=1,
+    )
     params = sorted(c for c in raw if c.startswith("params."))
     metrics = sorted(c for c in raw if c.startswith("metrics."))
     params = raw[params].rename(columns=lambda c: c.removeprefix("params.")).apply(_typed)
@@ -271,10 +277,28 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     return out
 
 
+FAILURE_LABELS = {
+    "oom": "does not fit (out of memory)",
+    "nan_loss": "loss became NaN/inf",
+    "killed": "killed",
+}
+
+
 def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:
-    columns = ["run_name", "optim", "model", "batch_size", "backend", "seed", "status", "error"]
+    columns = [
+        "run_name",
+        "optim",
+        "model",
+        "batch_size",
+        "backend",
+        "seed",
+        "status",
+        "failure_reason",
+        "error",
+    ]
     failed = jobs.loc[jobs.status != "FINISHED"].reindex(columns=columns)
-    return failed.rename(columns={"run_name": "run", **KEY_LABELS}).fillna("")
+    failed["failure_reason"] = failed.failure_reason.map(lambda r: FAILURE_LABELS.get(r, r))
+    return failed.rename(columns={"run_name": "run", "failure_reason": "why", **KEY_LABELS}).fillna("")
 
 
 def console_table(table: pd.DataFrame) -> str:

@@ -6,10 +6,13 @@ text, and the sweep goes on; every run this module opens ends FINISHED, FAILED o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -17,9 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, validate
-from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE
+from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 
-FAILED_JOBS: list[str] = []  # names of this process's failed jobs, for the exit code
+FAILED_JOBS: list[str] = []  # this process's failed jobs with their reason: the summary and the exit code
+SKIPPED_JOBS: list[str] = []  # points that had FINISHED before (resume)
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -44,11 +48,23 @@ def job_params(cfg: DictConfig) -> dict:
         "precision": cfg.train.precision,
         "padding": cfg.train.padding,
         "group_by_length": cfg.train.group_by_length,
+        "memory_budget_mb": cfg.memory_budget_mb,
     }
 
 
-def run_job_process(job_dir: Path, outputs_dir: Path) -> str | None:
-    """Run the job in a fresh interpreter; None on success, else the error text."""
+@dataclass
+class Failure:
+    reason: str  # config | exception | nan_loss | oom | killed
+    text: str  # a one-line summary, then details (the traceback)
+    metrics: dict = field(default_factory=dict)  # figures at the time (e.g. memory at an out-of-memory)
+
+    @property
+    def summary(self) -> str:
+        return self.text.strip().splitlines()[0]
+
+
+def run_job_process(job_dir: Path, outputs_dir: Path) -> Failure | None:
+    """Run the job in a fresh interpreter; None on success. An exception here (Ctrl-C) kills the job."""
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps
     env = {
         "TORCHINDUCTOR_CACHE_DIR": str(outputs_dir.resolve() / "cache" / "torchinductor"),
@@ -58,15 +74,20 @@ def run_job_process(job_dir: Path, outputs_dir: Path) -> str | None:
     proc = subprocess.run([sys.executable, "-m", "pipeline.job", str(job_dir)], env=env)
     if proc.returncode == 0:
         return None
-    error_file = job_dir / ERROR_FILE
-    if error_file.exists():
-        return error_file.read_text()
-    how = (
-        f"was killed by signal {-proc.returncode}"
-        if proc.returncode < 0
-        else f"exited with {proc.returncode}"
-    )
-    return f"job process {how}"
+    if (job_dir / FAILURE_FILE).exists():
+        info = json.loads((job_dir / FAILURE_FILE).read_text())
+        return Failure(info["reason"], (job_dir / ERROR_FILE).read_text(), info["metrics"])
+    if proc.returncode < 0:
+        return Failure("killed", f"job process was killed by signal {signal.Signals(-proc.returncode).name}")
+    return Failure("exception", f"job process exited with {proc.returncode} and no error report")
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """What makes two jobs the same point: the resolved config, less where results go and `force`."""
+    point = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("outputs_dir", "tracking", "force"):
+        point.pop(key, None)
+    return hashlib.sha256(json.dumps(point, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -78,45 +99,52 @@ def run(cfg: DictConfig) -> float | None:
     sweep = sweep_ids(Path(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN else None
     tracker = Tracker(cfg)
     experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id()
-    name = run_name(cfg)
+    name, point = run_name(cfg), config_hash(cfg)
+    if not cfg.force:
+        done = tracker.finished_run(experiment_id, point)
+        if done is not None:
+            print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
+            SKIPPED_JOBS.append(name)
+            return done.data.metrics.get("eval_f1")
     run_id = tracker.start_run(
         experiment_id,
         name,
         parent_run_id=sweep and sweep["parent_run_id"],
-        tags={"job_dir": str(job_dir.resolve()), "overrides": " ".join(hydra_cfg.overrides.task)},
+        tags={
+            "job_dir": str(job_dir.resolve()),
+            "overrides": " ".join(hydra_cfg.overrides.task),
+            "config_hash": point,
+        },
     )
     print(f"[job] {name}: MLflow run {run_id}", flush=True)
     try:
-        error = None
+        failure = None
         try:
             validate(cfg)
         except ConfigError as err:
-            error = f"ConfigError: {err}"
+            failure = Failure("config", f"ConfigError: {err}")
         tracker.log(run_id, params=job_params(cfg))
         OmegaConf.save(cfg, job_dir / CONFIG_FILE, resolve=True)
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
-        if error is None:
-            error = run_job_process(job_dir, Path(cfg.outputs_dir))
-        if error is None:
+        if failure is None:
+            failure = run_job_process(job_dir, Path(cfg.outputs_dir))
+        if failure is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
             return result["metrics"]["eval_f1"]
-        summary = error.strip().splitlines()[0]
-        tracker.log(run_id, tags={"error": summary})
-        tracker.log_artifact(run_id, _write(job_dir / ERROR_FILE, error))
+        tracker.log(
+            run_id, failure.metrics, tags={"error": failure.summary, "failure_reason": failure.reason}
+        )
+        (job_dir / ERROR_FILE).write_text(failure.text)
+        tracker.log_artifact(run_id, job_dir / ERROR_FILE)
         tracker.end(run_id, "FAILED")
-        FAILED_JOBS.append(name)
-        print(f"[job] {name} FAILED: {summary}", file=sys.stderr, flush=True)
+        FAILED_JOBS.append(f"{name} ({failure.reason}: {failure.summary})")
+        print(f"[job] {name} FAILED ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
         return None
-    except BaseException:
-        tracker.end(run_id, "KILLED" if sys.exc_info()[0] is KeyboardInterrupt else "FAILED")
+    except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed), or a store failure
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        tracker.end(run_id, status)
         if sweep:
-            tracker.end(sweep["parent_run_id"], "KILLED")
+            tracker.end(sweep["parent_run_id"], status)
         raise
-
-
-def _write(path: Path, text: str) -> Path:
-    if not path.exists():
-        path.write_text(text)
-    return path

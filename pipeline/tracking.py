@@ -88,6 +88,16 @@ class Tracker:
     def end(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status=status)
 
+    def finished_run(self, experiment_id: str, config_hash: str):
+        """The latest FINISHED run of the same point (same config hash), if any."""
+        runs = self.client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.config_hash = '{config_hash}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return runs[0] if runs else None
+
     def child_runs(self, experiment_id: str, parent_run_id: str):
         return self.client.search_runs(
             [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=10000

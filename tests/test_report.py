@@ -84,6 +84,7 @@ def test_runs_csv_holds_every_param_and_metric_exactly(sweep, out):
         assert row["status"] == run.info.status
         assert row["run_name"] == run.info.run_name
         assert row["error"] == run.data.tags.get("error", "")
+        assert row["failure_reason"] == run.data.tags.get("failure_reason", "")
         for key, value in run.data.params.items():
             try:
                 assert float(row[key]) == float(value), key
@@ -92,7 +93,17 @@ def test_runs_csv_holds_every_param_and_metric_exactly(sweep, out):
         for key, value in run.data.metrics.items():
             assert values[key] == value, key  # float for float: nothing rounded on the way
         for key in set(numbers.columns) - set(run.data.metrics) - set(run.data.params):
-            if key not in ("run_name", "sweep", "sweep_run_id", "status", "error", "start_time", "end_time"):
+            tags = (
+                "run_name",
+                "sweep",
+                "sweep_run_id",
+                "status",
+                "failure_reason",
+                "error",
+                "start_time",
+                "end_time",
+            )
+            if key not in tags:
                 assert row[key] == "", f"{key}: not measured, so empty (never 0)"
     assert "peak_memory_reserved_mb" not in numbers  # CPU: no CUDA figure at all
 

@@ -89,16 +89,26 @@ def test_state_sizes_across_optimizers_and_backends(four_jobs):
 
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     pd.DataFrame({"text": ["good", "bad"] * 20, "label": [1, 0] * 20}).to_csv(tmp_path / "d.csv", index=False)
-    data = ["data=csv", f"data.train_file={tmp_path}/d.csv", f"data.eval_file={tmp_path}/d.csv"]
-    # point 0 names a column that is not there (fails inside the job); point 1 is fine
-    proc = run_cli(tmp_path, "-m", *data, "data.label_column=sentiment,label", *TINY[:1], "train.max_steps=2")
+    pd.DataFrame({"text": ["meh"], "label": [7]}).to_csv(tmp_path / "odd.csv", index=False)
+    data = ["data=csv", f"data.train_file={tmp_path}/d.csv"]
+    # point 0's eval file has a label the training data lacks (fails inside the job); point 1 is fine
+    proc = run_cli(
+        tmp_path,
+        "-m",
+        *data,
+        f"data.eval_file={tmp_path}/odd.csv,{tmp_path}/d.csv",
+        *TINY[:1],
+        "train.max_steps=2",
+    )
     assert proc.returncode == 1
     parent, children = sweep_runs(tmp_path)
     assert sorted(r.info.status for r in children) == ["FAILED", "FINISHED"]
     (failed,) = [r for r in children if r.info.status == "FAILED"]
-    assert "['sentiment'] not found" in failed.data.tags["error"]
+    assert failed.data.tags["error"].startswith("ValueError: eval labels must be among the training labels")
+    assert failed.data.tags["failure_reason"] == "exception"
     assert "error.txt" in {a.path for a in store(tmp_path).list_artifacts(failed.info.run_id)}
     assert parent.info.status == "FAILED"
+    assert "1 failed: adamw-tiny-csv-trainer-bs16-s0 (exception: ValueError: eval labels" in proc.stderr
 
 
 def test_a_bad_point_in_a_sweep_fails_alone(tmp_path):

@@ -24,6 +24,14 @@ class TrainOutput:
     device: str
 
 
+class NonFiniteLoss(FloatingPointError):
+    """The training loss became NaN or infinite: the run stops there (failure reason `nan_loss`)."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"training loss is {loss} at step {step}: stopped (try a lower train.lr)")
+        self.step = step
+
+
 def classification_metrics(logits: np.ndarray, labels: np.ndarray, num_labels: int) -> dict[str, float]:
     """Accuracy and F1 (binary F1 of the positive class for 2 labels, macro F1 otherwise)."""
     preds = np.asarray(logits).argmax(axis=-1)

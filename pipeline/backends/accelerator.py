@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from pipeline.backends import TrainOutput, classification_metrics
+from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics
 from pipeline.memory import PeakMemory
 
 
@@ -50,11 +50,14 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
-    with PeakMemory(accelerator.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
+    baseline = [*model.parameters(), *model.buffers()]
+    with PeakMemory(accelerator.device, baseline, cfg.memory_budget_mb) as peak:
         start = time.perf_counter()
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
-        for batch in batches(train_loader, cfg.train.max_steps):
+        for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
             loss = model(**batch).loss
+            if not torch.isfinite(loss):
+                raise NonFiniteLoss(step, loss.item())
             accelerator.backward(loss)
             if cfg.train.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pipeline.backends import TrainOutput, classification_metrics
+from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics
 from pipeline.memory import PeakMemory
+
+
+class StopOnNonFiniteLoss(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise NonFiniteLoss(state.global_step, loss)
 
 
 def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
@@ -31,6 +39,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
         eval_strategy="no",
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be smoothed over
         use_cpu=not torch.cuda.is_available(),
         bf16=cfg.train.precision == "bf16",
         fp16=cfg.train.precision == "fp16",
@@ -45,8 +54,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
         data_collator=collate,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
         optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
+        callbacks=[StopOnNonFiniteLoss()],
     )
-    with PeakMemory(args.device, baseline=[*model.parameters(), *model.buffers()]) as peak:
+    baseline = [*model.parameters(), *model.buffers()]
+    with PeakMemory(args.device, baseline, cfg.memory_budget_mb) as peak:
         start = time.perf_counter()
         trainer.train()
         runtime = time.perf_counter() - start
