@@ -19,8 +19,6 @@ BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
 PADDINGS = ("longest", "max_length")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
-
-
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("optim", "model", "data", "backend", "tracking")
 
@@ -32,9 +30,8 @@ class ConfigError(ValueError):
 def check_group_overrides(argv: list[str]) -> None:
     """`optim=adamx` on the command line: one line naming the choices, before Hydra composes anything."""
     for arg in argv:
-        match = re.fullmatch(
-            r"(\w+)=([\w.,-]+)", arg
-        )  # plain values and comma sweeps; leave the rest to Hydra
+        # plain values and comma sweeps; sweep functions, globs and interpolations are left to Hydra
+        match = re.fullmatch(r"(\w+)=([\w.,-]+)", arg)
         if not match or match[1] not in GROUPS:
             continue
         group, values = match[1], match[2].split(",")

@@ -527,7 +527,7 @@ def write_report(
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; font-size: 12px; margin-bottom: 1.5em; }}
-th, td {{ border: 1px solid #ccc; padding: 4px 6px; text-align: right; font-variant-numeric: tabular-nums; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 5px; text-align: right; font-variant-numeric: tabular-nums; }}
 td {{ white-space: nowrap; }}
 table.text td, table.text th {{ text-align: left; white-space: normal; }}
 code {{ font-size: 12px; background: #f3f3f3; padding: 0 3px; }}
@@ -536,9 +536,10 @@ tbody tr:nth-child(even) {{ background: #f8f9fb; }}
 figure {{ display: inline-block; margin: 0 1em 1em 0; }}
 img {{ max-width: 880px; border: 1px solid #ddd; }}
 figcaption {{ font-size: 13px; color: #555; }}
+.wide {{ overflow-x: auto; }}  /* many columns: the table scrolls, the page does not */
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
-<h2>Comparison</h2>{table_html(shown, "No finished jobs.")}
+<h2>Comparison</h2><div class="wide">{table_html(shown, "No finished jobs.")}</div>
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
 <h2>Plots</h2>{"".join(image(name) for name in plots)}
 <p>Pareto front (no other point has less peak memory and a higher F1): {html.escape(front)}.</p>

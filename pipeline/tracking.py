@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -137,6 +138,13 @@ class SweepCallback(Callback):
     """Opens the sweep's parent run before the first job and closes it after the last one."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from pipeline.config import ConfigError, check_tracking_uri
+
+        try:  # before MLflow's client would retry a dead server for minutes
+            check_tracking_uri(config)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         tracker = Tracker(config)

@@ -53,6 +53,11 @@ BAD_INPUT = [
         "data.label_column='label' is invalid: data.train_file has the columns text, y",
     ),
     (
+        ["-m", "seed=0,1", "tracking.uri=http://127.0.0.1:9"],
+        "tracking uri http://127.0.0.1:9 does not answer ([Errno 111] Connection refused): start the server or "
+        "fix the uri",
+    ),
+    (
         ["tracking.uri=http://127.0.0.1:9"],
         "tracking uri http://127.0.0.1:9 does not answer ([Errno 111] Connection refused): start the server or "
         "fix the uri",
@@ -95,7 +100,12 @@ def test_out_of_memory_is_a_result(tmp_path):
     """A 1 MB budget on CPU: the tracker raises torch.OutOfMemoryError as a GPU of that size would."""
     proc = run_cli(tmp_path, "-m", "memory_budget_mb=1,null", "backend=accelerator", *TINY)
     assert proc.returncode == 1
-    _, children = sweep_runs(tmp_path)
+    assert (
+        "[sweep] 1 failed: adamw-tiny-rotten_tomatoes-accelerator-bs16-s0 (oom: MemoryBudgetExceeded"
+        in proc.stderr
+    )
+    parent, children = sweep_runs(tmp_path)
+    assert parent.info.status == "FAILED"
     runs = {r.data.params["memory_budget_mb"]: r for r in children}
     assert runs["None"].info.status == "FINISHED"
     oom = runs["1"]
@@ -139,7 +149,11 @@ def test_a_killed_worker_is_a_failed_run_and_the_sweep_goes_on(tmp_path):
     os.kill(job_process(sweep), signal.SIGKILL)
     out, err = sweep.communicate(timeout=300)
     assert sweep.returncode == 1, err[-2000:]
-    _, children = sweep_runs(tmp_path)
+    assert (
+        "[sweep] 1 failed: adamw-tiny-rotten_tomatoes-trainer-bs16-s0 (killed: job process was killed" in err
+    )
+    parent, children = sweep_runs(tmp_path)
+    assert parent.info.status == "FAILED"
     runs = {r.data.params["seed"]: r for r in children}
     assert runs["0"].info.status == "FAILED"
     assert runs["0"].data.tags["failure_reason"] == "killed"
