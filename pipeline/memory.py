@@ -30,7 +30,7 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
     Every entry of every parameter's state counts; a Python scalar (``step``, ``RMS``) is one element of the
     dtype ``torch.tensor`` gives it; tensors are counted by the storage they hold (a view keeps its whole
     storage alive), each storage once even when several parameters share it (bitsandbytes' quantization
-    maps); objects in the state (GaLore's projector) are counted by the tensors in their attributes.
+    maps); an object in the state (GaLore's projector) is counted by its attributes.
     """
     seen: set[tuple[str, int]] = set()
     visited: set[int] = set()

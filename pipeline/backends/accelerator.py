@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -56,18 +57,19 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
             loss = model(**batch).loss
-            if not torch.isfinite(loss):
-                raise NonFiniteLoss(step, loss.item())
+            losses.append(
+                loss.item()
+            )  # a sync per step, as the Trainer's logging: a NaN stops the run at once
+            if not math.isfinite(losses[-1]):
+                raise NonFiniteLoss(step, losses[-1])
             accelerator.backward(loss)
             if cfg.train.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            losses.append(loss.detach())
             progress.update()
         progress.close()
-        losses = torch.stack(losses).tolist()  # one sync at the end, not one per step
         runtime = time.perf_counter() - start
 
     model.eval()
