@@ -229,7 +229,8 @@ def torchao_builder(kind: str):
 
 def torchao_estimator(kind: str):
     """torchao: exp_avg and exp_avg_sq as tensor subclasses (codes + an fp32 scale per block + own qmap) for
-    tensors of >= 4096 elements divisible by the block size, plain fp32 otherwise; a float32 `step` tensor."""
+    tensors of >= 4096 elements divisible by the block size, plain tensors of the parameter's dtype otherwise;
+    a float32 `step` tensor."""
     _, code_bytes, qmap = TORCHAO[kind]
 
     def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -240,7 +241,7 @@ def torchao_estimator(kind: str):
                 codes = int(p.numel * code_bytes)
                 moment = size((codes, 1), (p.numel // block, FP32), (qmap, FP32))
             else:
-                moment = size((p.numel, FP32))
+                moment = size((p.numel, p.itemsize))
             parts += [moment, moment, size((1, FP32))]
         return total(parts)
 

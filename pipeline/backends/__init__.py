@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.metrics import accuracy_score, f1_score
 
-from pipeline.config import BACKENDS
-
 
 @dataclass
 class TrainOutput:
@@ -43,6 +41,5 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, num_labels: i
 
 
 def get(name: str):
-    if name not in BACKENDS:
-        raise ValueError(f"backend.name={name!r}; allowed: {', '.join(BACKENDS)}")
+    """The backend module (`name` is checked by pipeline.config before any job starts)."""
     return importlib.import_module(f"pipeline.backends.{name}")
