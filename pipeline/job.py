@@ -88,6 +88,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "optimizer_state_bytes_per_param": state.bytes / num_params,
         "estimated_optimizer_state_mb": estimate.mb,
         "optimizer_step_ms": steps.median_ms,
+        **({"train_step_ms": step_ms} if (step_ms := steps.train_step_ms(skip=1)) else {}),
         **out.peak.metrics(),
         "peak_rss_mb": peak_rss_mb(),
         "train_loss_final": out.losses[-1],

@@ -14,10 +14,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 
 class StepTimer:
-    """Wall time of every optimizer.step() inside the block (CUDA synchronised at both ends)."""
+    """Wall time of every optimizer.step() inside the block (CUDA synchronised at both ends), and the time
+    between consecutive step ends: one whole training step (data, forward, backward, optimizer, logging)."""
 
     def __init__(self):
         self.times_s: list[float] = []
+        self.ends_s: list[float] = []
         self._starts: list[float] = []  # a wrapper optimizer's step nests the real one: time the outermost
 
     def _now(self) -> float:
@@ -31,7 +33,9 @@ class StepTimer:
     def _post(self, optimizer, args, kwargs) -> None:
         start = self._starts.pop()
         if not self._starts:
-            self.times_s.append(self._now() - start)
+            end = self._now()
+            self.times_s.append(end - start)
+            self.ends_s.append(end)
 
     def __enter__(self):
         self._handles = [
@@ -48,6 +52,12 @@ class StepTimer:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.times_s) * 1000
+
+    def train_step_ms(self, skip: int = 0) -> float | None:
+        """Median time of a whole training step after the first `skip` steps (warm-up, profiled steps)."""
+        ends = self.ends_s[skip:]
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        return statistics.median(gaps) * 1000 if gaps else None
 
 
 # Dense peak TFLOP/s of common GPUs (vendor data sheets, no sparsity): (16-bit tensor core, fp32 without TF32).
