@@ -39,8 +39,15 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -m slow
 
+# On a GPU machine (under 8 minutes on one H200): the gpu-marked tests, then a short real sweep whose figures
+# (peak allocated per optimizer, breakdown, prediction) land in outputs/gpu-check/report/report.md.
+GPU_CHECK := outputs_dir=outputs/gpu-check backend=trainer,accelerator optim=adamw,adafactor,adamw_8bit train.max_steps=20
 test-gpu: install
-	$(BIN)/python -m pytest -m gpu
+	$(BIN)/python -m pytest -m gpu -s
+	$(BIN)/python -m pipeline -m $(GPU_CHECK) model=minilm
+	$(BIN)/python -m pipeline -m $(GPU_CHECK) model=distilbert-base-cased model.pretrained=false
+	$(BIN)/python -m pipeline.report --tracking-uri sqlite:///$(CURDIR)/outputs/gpu-check/mlflow.db \
+		--whole-experiment --out outputs/gpu-check/report
 
 ui: install
 	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000

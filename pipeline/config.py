@@ -78,6 +78,14 @@ def validate(cfg: DictConfig) -> None:
     _check(
         cfg, "memory_budget_mb", lambda v: v is None or (isinstance(v, Real) and v > 0), "must be null or > 0"
     )
+    _check(
+        cfg,
+        "memory_track_steps",
+        lambda v: v is None or (isinstance(v, int) and v > 0),
+        "must be null (every step) or a positive integer",
+    )
+    if not isinstance(cfg.find_batch_size, bool):
+        raise ConfigError(f"find_batch_size={cfg.find_batch_size!r} is invalid: must be true or false")
     positions = cfg.model.max_tokens
     _check(
         cfg,

@@ -39,7 +39,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     import torch
     import transformers
 
-    from pipeline import backends, data, models, optimizers
+    from pipeline import backends, data, models, optimizers, predict
     from pipeline.memory import optimizer_state_size, peak_rss_mb
     from pipeline.timing import StepTimer, peak_flops
 
@@ -69,6 +69,8 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     variant = spec.trainer_variant if backend == "trainer" and spec.trainer_optim else None
     num_params = sum(p.numel() for p in model.parameters())
     estimate = spec.estimate(optimizers.param_infos(model), cfg, variant, model.config)
+    if cfg.find_batch_size:
+        return find_batch_size(cfg, model, splits, spec, tokenizer, estimate, job_dir, tags)
 
     with StepTimer() as steps:
         out = backends.get(backend).train(cfg, model, splits, spec, collate, job_dir)
@@ -78,6 +80,22 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
     peak, peak_source = peak_flops(out.device, precision, Path(cfg.outputs_dir) / "cache")
     tags["mfu_peak"] = peak_source
+    memory = out.peak.metrics()
+    tags["peak_breakdown"] = out.peak.breakdown_na or f"step {out.peak.breakdown_step}"
+    if len(out.peak.largest_batch) == 2:  # (batch, seq) of the largest batch: the shapes the peak comes from
+        memory.update(
+            predict.predicted_peak(
+                optimizers.param_infos(model),
+                estimate.bytes,
+                model.config,
+                *out.peak.largest_batch,
+                precision,
+                spec.step_temporaries,
+            )
+        )
+        memory["predicted_peak_error_pct"] = 100 * (
+            memory["predicted_peak_mb"] / memory["peak_memory_mb"] - 1
+        )
     # training costs about 6 FLOPs per parameter per (non-padding) token: 2 forward, 4 backward
     model_flops_per_s = 6 * num_params * tokens / out.train_runtime_s
     metrics = {
@@ -88,8 +106,9 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "optimizer_state_bytes_per_param": state.bytes / num_params,
         "estimated_optimizer_state_mb": estimate.mb,
         "optimizer_step_ms": steps.median_ms,
-        **({"train_step_ms": step_ms} if (step_ms := steps.train_step_ms(skip=1)) else {}),
-        **out.peak.metrics(),
+        # steady state: the first steps run under the CPU peak tracker (and warm up)
+        **({"train_step_ms": ms} if (ms := steps.train_step_ms(skip=cfg.memory_track_steps or 1)) else {}),
+        **memory,
         "peak_rss_mb": peak_rss_mb(),
         "train_loss_final": out.losses[-1],
         "train_runtime_s": out.train_runtime_s,
@@ -111,6 +130,65 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
             "optim_variant": variant or "plain",
+            "largest_batch": "x".join(map(str, out.peak.largest_batch)),
+        },
+        "tags": tags,
+    }
+
+
+def find_batch_size(cfg, model, splits, spec, tokenizer, estimate, job_dir: Path, tags: dict) -> dict:
+    """The largest batch that fits the memory budget (measured by probes), beside the predicted one."""
+    import torch
+
+    from pipeline import backends, batch_size, data, optimizers, predict
+
+    budget = cfg.memory_budget_mb
+    if budget is None and not torch.cuda.is_available():
+        raise ValueError("find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit")
+    best, fitting = batch_size.search(
+        cfg,
+        model,
+        splits,
+        spec,
+        lambda probe: data.PaddingCollator(tokenizer, probe.train.padding, probe.train.max_length),
+        job_dir,
+        backends.get(cfg.backend.name).train,
+    )
+    params = optimizers.param_infos(model)
+
+    def predicted_fit(n: int) -> bool:
+        figures = predict.predicted_peak(
+            params,
+            estimate.bytes,
+            model.config,
+            n,
+            cfg.train.max_length,
+            cfg.train.precision,
+            spec.step_temporaries,
+        )
+        return figures["predicted_peak_mb"] <= budget
+
+    metrics = {"max_batch_size": best, "model_num_params": sum(p.numel() for p in model.parameters())}
+    if budget is not None:
+        metrics["predicted_max_batch_size"] = batch_size.largest_fitting(predicted_fit, len(splits.train))
+    if best:
+        at_best = fitting[best]
+        state = at_best.pop("state")
+        metrics.update({f"max_batch_{k}": v for k, v in at_best.items()})
+        metrics.update(
+            optimizer_state_mb=state.mb,
+            optimizer_state_numel=state.numel,
+            estimated_optimizer_state_mb=estimate.mb,
+        )
+    tags["mode"] = "find_batch_size"
+    return {
+        "metrics": metrics,
+        "series": {"probe_peak_mb": {n: f["peak_memory_mb"] for n, f in sorted(fitting.items())}},
+        "params": {
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "num_labels": splits.num_labels,
+            "train_samples": len(splits.train),
+            "probe_padding": "max_length",
         },
         "tags": tags,
     }
@@ -150,6 +228,9 @@ def main(job_dir: Path) -> int:
         return 1
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     m = result["metrics"]
+    if cfg.find_batch_size:
+        print(f"[job] largest batch that fits: {m['max_batch_size']}", flush=True)
+        return 0
     print(
         f"[job] state {m['optimizer_state_mb']:.2f} MB (estimated {m['estimated_optimizer_state_mb']:.2f}), "
         f"peak {m['peak_memory_mb']:.1f} MB, eval F1 {m['eval_f1']:.3f}, "

@@ -1,11 +1,16 @@
-"""Optimizer-state accounting and peak-memory tracking (CUDA allocator stats, or tensor-level on CPU)."""
+"""Optimizer-state accounting and peak-memory tracking (CUDA allocator stats, or tensor-level on CPU), and the
+breakdown of one training step's peak into parameters, gradients, optimizer state, activations and the rest."""
 
 from __future__ import annotations
 
+import math
 import resource
+import warnings
 import weakref
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -84,7 +89,11 @@ class _CpuTensorPeak(TorchDispatchMode):
         self.budget_bytes = budget_bytes
         self.current = self.peak = 0
         self._live = WeakIdKeyDictionary()
-        for t in baseline:
+        self.track(baseline)
+
+    def track(self, tensors) -> None:
+        """Count these tensors' storages from now on (those already counted are skipped)."""
+        for t in tensors:
             self._track(t)
 
     def _track(self, t: torch.Tensor) -> None:
@@ -155,6 +164,183 @@ class PeakMemory:
         if self.peak_reserved_bytes is not None:
             out["peak_memory_reserved_mb"] = self.peak_reserved_bytes / MB
         return out
+
+
+class StepBreakdown(MemTracker):
+    """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state.
+
+    MemTracker files every tensor created inside `optimizer.step()` as optimizer state; here they are
+    temporaries until its post-step hook files the tensors that stay in `optimizer.state` as state.
+    """
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        super()._track(_MemRefType.TEMP if self._in_opt else reftype, t)
+
+    def _register_global_optimizer_hook(self) -> None:
+        # TrainingMemory's optimizer hooks call the two methods below: it enters this tracker from inside its
+        # own post-step hook, where registering another global hook would mutate the hooks being run
+        pass
+
+    def optimizer_step_started(self) -> None:
+        self._in_opt = True
+
+    def optimizer_step_ended(self, optimizer) -> None:
+        self._track_optimizer_states(_MemRefType.OPT, optimizer)
+        self._in_opt = False
+
+    def metrics(self, device: torch.device) -> dict[str, float]:
+        snapshot = self.get_tracker_snapshot("peak")
+        peak = next((v for d, v in snapshot.items() if d.type == device.type), {})
+        part = lambda *kinds: sum(peak.get(k, 0) for k in kinds) / MB  # noqa: E731
+        return {
+            "peak_params_mb": part(_MemRefType.PARAM, _MemRefType.BUFFER),
+            "peak_grads_mb": part(_MemRefType.GRAD),
+            "peak_optimizer_mb": part(_MemRefType.OPT),
+            "peak_activations_mb": part(_MemRefType.ACT),
+            "peak_other_mb": part(_MemRefType.TEMP, _MemRefType.OTH),
+            "peak_breakdown_mb": part("Total"),
+        }
+
+
+class TrainingMemory:
+    """Peak memory of a training loop (either backend), and the breakdown of one step.
+
+    CUDA: the allocator's peak over every step. CPU: the tensor-level tracker, which slows each op, runs on
+    the first `track_steps` steps and on any later step whose batch has more tokens than every tracked one
+    (activations grow with tokens), so the peak is that of the largest batch; None tracks every step.
+    Step `breakdown_step` runs under `StepBreakdown`, entered at the end of the step before it so that the
+    model's forward hooks see the whole step; `breakdown_na` says why it cannot run, when it cannot.
+    Steps are counted by the model's forward calls in training mode; a step ends with its optimizer step.
+    """
+
+    def __init__(
+        self,
+        device,
+        model: torch.nn.Module,
+        budget_mb: float | None = None,
+        track_steps: int | None = 3,
+        breakdown_step: int | None = 2,
+        breakdown_na: str | None = None,
+    ):
+        self.device = torch.device(device)
+        self.model = model
+        self.budget_mb = budget_mb
+        self.track_steps = track_steps
+        self.breakdown_step = None if breakdown_na else breakdown_step
+        self.breakdown_na = breakdown_na
+        self.breakdown: StepBreakdown | None = None
+        self.breakdown_metrics: dict[str, float] = {}
+        self.step = 0
+        self.tracked_steps: list[int] = []
+        self.largest_batch: tuple[int, ...] = (0,)  # the shape of the token ids of the largest batch
+        self._most_tokens = 0
+        self._optimizer = None
+        self._depth = 0  # a wrapper optimizer's step (accelerate's) nests the real one
+        self._tracking = False
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type != "cuda"
+
+    def __enter__(self):
+        if self.on_cpu:
+            budget = None if self.budget_mb is None else int(self.budget_mb * MB)
+            self.cpu = _CpuTensorPeak([*self.model.parameters(), *self.model.buffers()], budget)
+        else:
+            self.cuda = PeakMemory(self.device, budget_mb=self.budget_mb).__enter__()
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            register_optimizer_step_pre_hook(self._before_optimizer_step),
+            register_optimizer_step_post_hook(self._after_optimizer_step),
+        ]
+        if self.breakdown_step == 1:
+            self._start_breakdown()
+        return self
+
+    def _live_tensors(self, inputs) -> list[torch.Tensor]:
+        """What a step starts with: weights, gradients, optimizer state, the batch."""
+        live = [*self.model.parameters(), *self.model.buffers(), *inputs]
+        live += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self._optimizer is not None:
+            live += [v for state in self._optimizer.state.values() for v in tree_leaves(state)]
+        return [t for t in live if isinstance(t, torch.Tensor)]
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        if not module.training or self._tracking:
+            return
+        self.step += 1
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        ids = max((t for t in inputs if not t.is_floating_point()), key=torch.numel, default=None)
+        tokens = 0 if ids is None else ids.numel()
+        if tokens > math.prod(self.largest_batch):
+            self.largest_batch = tuple(ids.shape)
+        if self.on_cpu and (
+            self.track_steps is None or self.step <= self.track_steps or tokens > self._most_tokens
+        ):
+            self._most_tokens = max(self._most_tokens, tokens)
+            self.tracked_steps.append(self.step)
+            self.cpu.track(self._live_tensors(inputs))  # what was made while untracked
+            self.cpu.__enter__()
+            self._tracking = True
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._depth += 1
+        self._optimizer = optimizer  # the innermost: the one holding the state
+        if self.breakdown is not None:
+            self.breakdown.optimizer_step_started()
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        self._stop_tracking()
+        if self.breakdown is not None:
+            self.breakdown.optimizer_step_ended(self._optimizer)
+            self._stop_breakdown()
+        elif self.step + 1 == self.breakdown_step:
+            self._start_breakdown()
+
+    def _stop_tracking(self) -> None:
+        if self._tracking:
+            self._tracking = False
+            self.cpu.__exit__(None, None, None)
+
+    def _start_breakdown(self) -> None:
+        self.breakdown = StepBreakdown()
+        self.breakdown.track_external(self.model, *([self._optimizer] if self._optimizer else []))
+        # MemTracker warns at every backward hook of a module it sees freed; nothing to act on here
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", message="Module is None")
+        self.breakdown.__enter__()
+
+    def _stop_breakdown(self) -> None:
+        self.breakdown.__exit__(None, None, None)
+        self._quiet.__exit__(None, None, None)
+        if self.step == self.breakdown_step:  # the whole step ran under it
+            self.breakdown_metrics = self.breakdown.metrics(self.device)
+        self.breakdown = None
+
+    def __exit__(self, *exc):
+        self._stop_tracking()  # modes leave in the reverse order they came: the step's tracker first
+        if self.breakdown is not None:
+            self._stop_breakdown()
+        for handle in self._handles:
+            handle.remove()
+        if not self.on_cpu:
+            self.cuda.__exit__(*exc)
+        return False
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.cpu.peak if self.on_cpu else self.cuda.peak_bytes
+
+    def metrics(self) -> dict[str, float]:
+        if self.on_cpu:
+            out = {"peak_memory_mb": self.cpu.peak / MB, "peak_memory_tracked_steps": len(self.tracked_steps)}
+        else:
+            out = self.cuda.metrics()
+        return {**out, **self.breakdown_metrics}
 
 
 def peak_rss_mb() -> float:

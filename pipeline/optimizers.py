@@ -81,6 +81,9 @@ class OptimizerSpec:
     requires: tuple[str, ...] = ()
     needs_train_eval_mode: bool = False  # schedule-free: optimizer.train() / optimizer.eval()
     compiles_step: bool = False  # torchao: torch.compile'd step (incompatible with the CPU peak tracker)
+    # what its step allocates at once, as (times the largest weight, times all weights): e.g. AdamW's
+    # per-tensor step makes sqrt(exp_avg_sq) and its quotient for one weight at a time (pipeline.predict)
+    step_temporaries: tuple[float, float] = (0.0, 0.0)
 
 
 def param_groups(model, weight_decay: float) -> list[dict]:
@@ -406,9 +409,13 @@ def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -
 REGISTRY: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in [
-        OptimizerSpec("adamw", build_adamw, estimate_adamw, "adamw_torch", adam_args),
-        OptimizerSpec("adafactor", build_adafactor, estimate_adafactor, "adafactor"),
-        OptimizerSpec("adafactor_torch", build_adafactor_torch, estimate_adafactor_torch),
+        OptimizerSpec(
+            "adamw", build_adamw, estimate_adamw, "adamw_torch", adam_args, step_temporaries=(2, 0)
+        ),
+        OptimizerSpec("adafactor", build_adafactor, estimate_adafactor, "adafactor", step_temporaries=(2, 0)),
+        OptimizerSpec(
+            "adafactor_torch", build_adafactor_torch, estimate_adafactor_torch, step_temporaries=(1, 0)
+        ),
         OptimizerSpec(
             "sgd",
             build_sgd,
@@ -459,6 +466,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             adam_args,
             requires=("torchao",),
             compiles_step=True,
+            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
         ),
         OptimizerSpec(
             "adamw_torchao_4bit",
@@ -468,6 +476,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             adam_args,
             requires=("torchao",),
             compiles_step=True,
+            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
         ),
         OptimizerSpec(
             "adamw_torchao_fp8",
@@ -475,6 +484,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             torchao_estimator("fp8"),
             requires=("torchao",),
             compiles_step=True,
+            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
         ),
         OptimizerSpec(
             "galore_adamw",
@@ -487,8 +497,15 @@ REGISTRY: dict[str, OptimizerSpec] = {
                 "optim_args": ",".join(f"{k}={v}" for k, v in galore_kwargs(cfg).items()),
             },
             requires=("galore_torch",),
+            step_temporaries=(2, 0),
         ),
-        OptimizerSpec("adam_mini", build_adam_mini, estimate_adam_mini, requires=("adam_mini",)),
+        OptimizerSpec(
+            "adam_mini",
+            build_adam_mini,
+            estimate_adam_mini,
+            requires=("adam_mini",),
+            step_temporaries=(2, 0),
+        ),
         OptimizerSpec(
             "schedule_free_adamw",
             build_schedule_free_adamw,
@@ -497,6 +514,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             adam_args,
             requires=("schedulefree",),
             needs_train_eval_mode=True,
+            step_temporaries=(0, 1),
         ),
     ]
 }

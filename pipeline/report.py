@@ -36,6 +36,13 @@ COLUMNS = {
     "estimated state [MB]": "estimated_optimizer_state_mb",
     "peak [MB]": "peak_memory_mb",
     "peak reserved [MB]": "peak_memory_reserved_mb",
+    "predicted peak [MB]": "predicted_peak_mb",
+    "prediction error [%]": "predicted_peak_error_pct",
+    "peak: weights [MB]": "peak_params_mb",
+    "peak: gradients [MB]": "peak_grads_mb",
+    "peak: optimizer state [MB]": "peak_optimizer_mb",
+    "peak: activations [MB]": "peak_activations_mb",
+    "peak: other [MB]": "peak_other_mb",
     "train loss [nats]": "train_loss_final",
     "eval loss [nats]": "eval_loss",
     "eval accuracy [0-1]": "eval_accuracy",
@@ -66,6 +73,12 @@ LEGEND = {
     "peak [MB]": "peak device memory while training (`peak_memory_mb`: CUDA allocator peak, or CPU tensor peak)",
     "Δ peak [MB], [%]": "peak minus the baseline's peak in the same group, absolute and in % of the baseline's",
     "peak reserved [MB]": "CUDA caching allocator's peak (`peak_memory_reserved_mb`); empty on CPU",
+    "predicted peak [MB]": "peak predicted from shapes alone (`predicted_peak_mb`: weights + state + the larger "
+    "of activations and gradients + the optimizer step's temporaries), for the largest batch",
+    "prediction error [%]": "(predicted − measured) / measured peak (`predicted_peak_error_pct`)",
+    "peak: weights / gradients / optimizer state / activations / other [MB]": "what the peak of the profiled "
+    "step (step 2) is made of, by PyTorch's MemTracker (`peak_params_mb`, ...); other = the backward pass's "
+    "and the optimizer step's temporaries; empty where the tracker cannot follow the optimizer",
     "train loss [nats]": "cross-entropy of the last training step (`train_loss_final`)",
     "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`)",
     "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of label 1 for 2 labels, macro F1 otherwise",
@@ -81,6 +94,22 @@ PLOTS = {
     "f1_vs_peak.png": "Eval F1 against peak memory; the Pareto front (less memory, higher F1) is marked",
     "train_loss.png": "Training loss per optimizer (line: mean over seeds, band: min to max)",
     "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
+    "peak_breakdown.png": "What the peak is made of (profiled step), with the measured and the predicted peak",
+}
+BREAKDOWN = {
+    "weights": "peak: weights [MB]",
+    "gradients": "peak: gradients [MB]",
+    "optimizer state": "peak: optimizer state [MB]",
+    "activations": "peak: activations [MB]",
+    "other": "peak: other [MB]",
+}
+# the largest-batch table (find_batch_size=true jobs) <- MLflow metric
+FIT_KEYS = ["model", "backend", "precision", "max_length", "memory_budget_mb", "optim"]
+FIT_COLUMNS = {
+    "largest batch [samples]": "max_batch_size",
+    "predicted largest batch [samples]": "predicted_max_batch_size",
+    "peak at largest batch [MB]": "max_batch_peak_memory_mb",
+    "state [MB]": "optimizer_state_mb",
 }
 DPI = 110
 
@@ -301,9 +330,43 @@ def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:
     return failed.rename(columns={"run_name": "run", "failure_reason": "why", **KEY_LABELS}).fillna("")
 
 
+def is_fit_job(jobs: pd.DataFrame) -> pd.Series:
+    """Jobs run with find_batch_size=true: they search a batch size instead of training."""
+    return jobs["max_batch_size"].notna() if "max_batch_size" in jobs else pd.Series(False, index=jobs.index)
+
+
+def fit_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """Largest batch that fits the memory budget, per optimizer (seeds: the smallest found)."""
+    done = jobs[is_fit_job(jobs) & (jobs.status == "FINISHED")].reindex(
+        columns=list(dict.fromkeys([*FIT_KEYS, *FIT_COLUMNS.values()]))
+    )
+    if done.empty:
+        return pd.DataFrame()
+    values = done[list(FIT_COLUMNS.values())].astype(float).set_axis(list(FIT_COLUMNS), axis=1)
+    table = pd.concat([done[FIT_KEYS], values], axis=1).groupby(FIT_KEYS, dropna=False).min().reset_index()
+    table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    table = table.sort_values(FIT_KEYS, ignore_index=True)
+    table["optim"] = table.optim.astype(str)
+    labels = {**KEY_LABELS, "memory_budget_mb": "budget [MB]"}
+    return table.rename(columns=labels)
+
+
 def console_table(table: pd.DataFrame) -> str:
     """The short table printed at the end of a sweep."""
     return format_table(table, [c for c in CONSOLE if c in table]).to_string(index=False)
+
+
+def _plain(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.map(lambda v: _fmt(v) if isinstance(v, float) else v)
+
+
+def console_text(out: Path, table: pd.DataFrame) -> str:
+    """What a sweep and `make report` print: the short table, and the largest batches when searched."""
+    text = console_table(table) if len(table) else "no finished training jobs"
+    if (out / "fits.csv").exists():
+        fits = pd.read_csv(out / "fits.csv")
+        text += "\n\nlargest batch that fits:\n" + _plain(fits).to_string(index=False)
+    return text
 
 
 # ---- plots ----------------------------------------------------------------------------------------------
@@ -387,6 +450,23 @@ def plot_throughput(table: pd.DataFrame, colors: dict, path: Path) -> None:
     _bars(table, _labels(table, point_columns(table)), "throughput [tokens/s]", colors, ax)
     ax.set_ylabel("training throughput [tokens/s]")
     ax.set_title("Throughput per optimizer and precision")
+    fig.savefig(path)
+
+
+def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
+    """Stacked bars of the peak's parts per row, the measured peak (black tick) and the predicted one (red)."""
+    fig, ax = _figure(width=max(8, 0.7 * len(table) + 3))
+    labels = _labels(table, ["optim", *point_columns(table)])
+    parts = table[list(BREAKDOWN.values())].set_axis(list(BREAKDOWN), axis=1).set_index(labels)
+    parts.plot.bar(ax=ax, stacked=True, rot=30, color=["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8c8c8c"])
+    x = range(len(table))
+    ax.scatter(x, table["peak [MB]"], marker="_", s=900, color="k", zorder=3, label="measured peak")
+    if table["predicted peak [MB]"].notna().any():
+        ax.scatter(x, table["predicted peak [MB]"], marker="_", s=900, color="r", zorder=3, label="predicted")
+    ax.set_xlabel("")
+    ax.set_ylabel("memory at the peak [MB]")
+    ax.set_title("What the peak is made of")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path)
 
 
@@ -476,11 +556,16 @@ def write_report(
     table: pd.DataFrame,
     history: pd.DataFrame,
     baseline: str = BASELINE,
+    fits: pd.DataFrame | None = None,
 ) -> None:
-    """report.md, report.html, runs.csv, comparison.csv and the PNG plots, into `out`."""
+    """report.md, report.html, runs.csv, comparison.csv (fits.csv) and the PNG plots, into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     jobs.to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "comparison.csv", index=False)
+    fits = pd.DataFrame() if fits is None else fits
+    (out / "fits.csv").unlink(missing_ok=True)
+    if len(fits):
+        fits.to_csv(out / "fits.csv", index=False)
     for stale in PLOTS:
         (out / stale).unlink(missing_ok=True)
     if not table.empty:
@@ -493,6 +578,8 @@ def write_report(
             plot_losses(history, jobs, colors, out / "train_loss.png")
         if table["throughput [tokens/s]"].notna().any():
             plot_throughput(table, colors, out / "throughput.png")
+        if table[list(BREAKDOWN.values())].notna().all(axis=1).any():
+            plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png")
     plots = {name: caption for name, caption in PLOTS.items() if (out / name).exists()}
     shown, failed = format_table(table), failed_table(jobs)
     front = "none"
@@ -500,8 +587,15 @@ def write_report(
         front = ", ".join(_labels(table, ["optim", *point_columns(table)])[pareto_front(table)]) or "none"
     legend = pd.DataFrame(LEGEND.items(), columns=["column", "meaning"])
 
+    fit_title = "Largest batch that fits in " + (
+        " / ".join(f"{_fmt(b)} MB" for b in fits["budget [MB]"].unique()) if len(fits) else "the budget"
+    )
+    fit_note = "(find_batch_size=true; every text padded to max_length; MB = 2^20 bytes)"
     md = [f"# {title}", "", *[f"- {line}" for line in about], "", "## Comparison", ""]
-    md += [_markdown(shown) if len(shown) else "No finished jobs.", "", "## Failed jobs", ""]
+    md += [_markdown(shown) if len(shown) else "No finished training jobs.", ""]
+    if len(fits):
+        md += [f"## {fit_title}", "", fit_note, "", _markdown(_plain(fits)), ""]
+    md += ["## Failed jobs", ""]
     md += [_markdown(failed) if len(failed) else "None.", "", "## Plots", ""]
     md += [f"![{caption}]({name})\n\n*{caption}*\n" for name, caption in plots.items()]
     md += [f"Pareto front (no other point has less peak memory and a higher F1): {front}.", ""]
@@ -539,7 +633,8 @@ figcaption {{ font-size: 13px; color: #555; }}
 .wide {{ overflow-x: auto; }}  /* many columns: the table scrolls, the page does not */
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
-<h2>Comparison</h2><div class="wide">{table_html(shown, "No finished jobs.")}</div>
+<h2>Comparison</h2><div class="wide">{table_html(shown, "No finished training jobs.")}</div>
+{f"<h2>{html.escape(fit_title)}</h2><p>{fit_note}</p>{table_html(_plain(fits))}" if len(fits) else ""}
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
 <h2>Plots</h2>{"".join(image(name) for name in plots)}
 <p>Pareto front (no other point has less peak memory and a higher F1): {html.escape(front)}.</p>
@@ -563,13 +658,13 @@ def build(
     raw = search_jobs(uri, parents, experiment)
     names = {} if parents is None else parents.set_index("run_id")["tags.mlflow.runName"].to_dict()
     jobs = job_table(raw, names)
-    table = compare(jobs, baseline)
+    table = compare(jobs[~is_fit_job(jobs)], baseline)
     name = experiment if parents is None else "+".join(names.values())
     out = Path(out) if out else Path(root) / name
     title = f"Optimizer comparison: {name}"
-    write_report(
-        out, title, _about(uri, parents, jobs, baseline), jobs, table, loss_history(uri, jobs), baseline
-    )
+    about = _about(uri, parents, jobs, baseline)
+    history = loss_history(uri, jobs)
+    write_report(out, title, about, jobs, table, history, baseline, fit_table(jobs, baseline))
     return out, table
 
 
@@ -618,7 +713,7 @@ def main(argv=None) -> int:
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(console_table(table) if len(table) else "no finished jobs")
+    print(console_text(out, table))
     print(f"\nreport: {out / 'report.html'} ({out / 'report.md'}, runs.csv, comparison.csv, plots)")
     return 0
 

@@ -27,9 +27,8 @@ SKIPPED_JOBS: list[str] = []  # points that had FINISHED before (resume)
 
 
 def run_name(cfg: DictConfig) -> str:
-    return (
-        f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-bs{cfg.batch_size}-s{cfg.seed}"
-    )
+    what = f"fit{cfg.memory_budget_mb or 'device'}MB" if cfg.find_batch_size else f"bs{cfg.batch_size}"
+    return f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
 
 
 def job_params(cfg: DictConfig) -> dict:
@@ -49,6 +48,8 @@ def job_params(cfg: DictConfig) -> dict:
         "padding": cfg.train.padding,
         "group_by_length": cfg.train.group_by_length,
         "memory_budget_mb": cfg.memory_budget_mb,
+        "memory_track_steps": cfg.memory_track_steps,
+        "find_batch_size": cfg.find_batch_size,
     }
 
 
@@ -132,7 +133,7 @@ def run(cfg: DictConfig) -> float | None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
-            return result["metrics"]["eval_f1"]
+            return result["metrics"].get("eval_f1")
         tracker.log(
             run_id, failure.metrics, tags={"error": failure.summary, "failure_reason": failure.reason}
         )

@@ -7,6 +7,7 @@ import json
 import platform
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ class StepTimer:
     def train_step_ms(self, skip: int = 0) -> float | None:
         """Median time of a whole training step after the first `skip` steps (warm-up, profiled steps)."""
         ends = self.ends_s[skip:]
-        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        gaps = [b - a for a, b in pairwise(ends)]
         return statistics.median(gaps) * 1000 if gaps else None
 
 

@@ -72,8 +72,9 @@ class Tracker:
 
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
-        for key, values in (series or {}).items():
-            rows += [Metric(key, float(v), now, step) for step, v in enumerate(values, start=1)]
+        for key, values in (series or {}).items():  # a list counts steps from 1; a dict gives them
+            steps = values.items() if isinstance(values, dict) else enumerate(values, start=1)
+            rows += [Metric(key, float(v), now, int(step)) for step, v in steps]
         params = [Param(k, str(v)) for k, v in (params or {}).items()]
         tags = [RunTag(k, str(v)[:_MAX_TAG_CHARS]) for k, v in (tags or {}).items()]
         for chunk in _chunks(rows, _MAX_METRICS):
@@ -182,7 +183,7 @@ class SweepCallback(Callback):
 
             out, table = report.build(tracker.uri, [parent_run_id], root=outputs_dir / "report")
             tracker.client.log_artifacts(parent_run_id, str(out), "report")
-            print(report.console_table(table) if len(table) else "[sweep] no finished jobs")
+            print(report.console_text(out, table))
             print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")
         except Exception as err:  # the report is a convenience: it must never hide the sweep's results
             print(f"[sweep] report not built: {type(err).__name__}: {err}")

@@ -4,7 +4,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from pipeline import MB, models, optimizers
 from pipeline.memory import PeakMemory, optimizer_state_size
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, run_cli, sweep_runs
 
 
 class FakeOptimizer:
@@ -87,3 +87,129 @@ def test_distilbert_adamw_state_matches_the_quick_estimate():
     # num_parameters * 8 bytes, plus one 4-byte step per tensor
     assert size.bytes == 65_783_042 * 8 + 104 * 4
     assert 501 < size.mb < 503
+
+
+# ---- the peak's breakdown, its prediction and the largest batch that fits (real jobs through the CLI) ----
+
+BREAKDOWN = ["peak_params_mb", "peak_grads_mb", "peak_optimizer_mb", "peak_activations_mb", "peak_other_mb"]
+
+
+@pytest.fixture(scope="module")
+def profiled_jobs(tmp_path_factory):
+    """tiny on both backends, and minilm (the default model), for AdamW and Adafactor; fixed-length batches
+    so that every step has the same shapes and the profiled step holds the peak."""
+    tmp = tmp_path_factory.mktemp("profiled")
+    fixed = ["train.padding=max_length", "data.max_train_samples=64", "data.max_eval_samples=16"]
+    tiny = run_cli(
+        tmp / "tiny", "-m", "optim=adamw,adafactor", "backend=trainer,accelerator", "model=tiny",
+        "train.max_steps=4", *fixed,
+    )  # fmt: skip
+    minilm = run_cli(
+        tmp / "minilm", "-m", "optim=adamw,adafactor", "backend=accelerator", "train.max_steps=3", *fixed
+    )
+    assert tiny.returncode == 0 and minilm.returncode == 0, (tiny.stderr + minilm.stderr)[-3000:]
+    return [run for folder in ("tiny", "minilm") for run in sweep_runs(tmp / folder)[1]]
+
+
+def test_breakdown_adds_up_to_the_measured_peak(profiled_jobs):
+    assert len(profiled_jobs) == 6
+    for run in profiled_jobs:
+        m = run.data.metrics
+        assert run.data.tags["peak_breakdown"] == "step 2"
+        assert sum(m[k] for k in BREAKDOWN) == pytest.approx(m["peak_memory_mb"], rel=0.02)
+        assert sum(m[k] for k in BREAKDOWN) == pytest.approx(m["peak_breakdown_mb"], rel=1e-6)
+        # the stored state is all there at the peak (the step's temporaries count as "other"); Adafactor's
+        # Python-int `step` counts 8 bytes in the state's size but is no tensor memory: a few hundred bytes
+        assert m["peak_optimizer_mb"] >= m["optimizer_state_mb"] - 1 / 1024
+        assert m["peak_params_mb"] == pytest.approx(m["model_num_params"] * 4 / MB, rel=0.01)
+
+
+def test_prediction_is_within_15_percent(profiled_jobs):
+    errors = {}
+    for run in profiled_jobs:
+        m, p = run.data.metrics, run.data.params
+        errors[(p["model"], p["optim"], p["backend"])] = m["predicted_peak_error_pct"]
+        assert m["predicted_peak_error_pct"] == pytest.approx(
+            100 * (m["predicted_peak_mb"] / m["peak_memory_mb"] - 1)
+        )
+    print("prediction error [%]:", errors)
+    assert all(abs(e) < 15 for e in errors.values()), errors
+
+
+def saved_for_backward(model, batch: int, seq: int) -> int:
+    """Bytes of every storage autograd saves in one forward pass, the weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 1000, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=torch.zeros(batch, dtype=torch.long))
+    return sum(saved.values())
+
+
+def test_predicted_activations_against_what_autograd_saves():
+    """The activation formula against an independent count of what autograd keeps for backward."""
+    from pipeline.predict import activation_bytes, transformer_dims
+
+    for name, batch, seq in [("tiny", 16, 64), ("distilbert-base-cased", 4, 32)]:
+        cfg = compose_cfg(f"model={name}", "model.pretrained=false")
+        model = models.load_model(cfg.model, num_labels=2).train()
+        predicted = activation_bytes(transformer_dims(model.config), batch, seq, itemsize=4)
+        assert predicted == pytest.approx(saved_for_backward(model, batch, seq), rel=0.10), name
+
+
+def test_training_memory_tracks_the_largest_batch_after_its_window():
+    """CPU: steps after the first `track_steps` run untracked unless their batch is the largest so far."""
+    from pipeline.memory import TrainingMemory
+
+    cfg = compose_cfg("model=tiny")
+    model = models.load_model(cfg.model, num_labels=2).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with TrainingMemory("cpu", model, track_steps=2, breakdown_step=2) as memory:
+        for seq in [16, 16, 8, 32, 16]:
+            model(
+                input_ids=torch.ones(4, seq, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long)
+            ).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert memory.tracked_steps == [1, 2, 4]
+    assert memory.largest_batch == (4, 32)
+    assert memory.metrics()["peak_breakdown_mb"] > 0
+
+
+def test_largest_fitting_doubles_then_bisects():
+    from pipeline.batch_size import largest_fitting
+
+    for limit, upper in [(41, 1000), (1, 10), (64, 64), (100, 70)]:
+        probes = []
+        fits = lambda n, limit=limit, probes=probes: probes.append(n) or n <= limit  # noqa: E731
+        assert largest_fitting(fits, upper) == min(limit, upper)
+        assert len(probes) <= 2 * upper.bit_length() + 1
+    assert largest_fitting(lambda n: False, 100) == 0
+
+
+@pytest.fixture(scope="module")
+def fit_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit")
+    proc = run_cli(
+        tmp, "-m", "find_batch_size=true", "memory_budget_mb=26", "optim=adamw,adafactor", "model=tiny",
+        "backend=accelerator", "data.max_train_samples=128", "data.max_eval_samples=16",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, proc
+
+
+def test_find_batch_size_gives_adafactor_a_larger_batch(fit_sweep):
+    tmp, proc = fit_sweep
+    runs = {r.data.params["optim"]: r.data.metrics for r in sweep_runs(tmp)[1]}
+    assert runs["adafactor"]["max_batch_size"] > runs["adamw"]["max_batch_size"] > 0
+    for m in runs.values():
+        assert m["max_batch_peak_memory_mb"] <= 26
+        assert m["predicted_max_batch_size"] > 0
+    assert "largest batch that fits" in proc.stdout

@@ -16,9 +16,9 @@ from sklearn.metrics import accuracy_score, f1_score
 class TrainOutput:
     optimizer: object  # the torch optimizer itself (unwrapped), after the last step
     losses: list[float]  # training loss of each optimizer step
-    eval_metrics: dict[str, float]  # eval_loss, eval_accuracy, eval_f1
+    eval_metrics: dict[str, float]  # eval_loss, eval_accuracy, eval_f1 (empty when not evaluated)
     train_runtime_s: float  # wall time of the training loop (no evaluation)
-    peak: object  # pipeline.memory.PeakMemory of the training loop
+    peak: object  # pipeline.memory.TrainingMemory of the training loop
     device: str
 
 
@@ -38,6 +38,28 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, num_labels: i
         "accuracy": float(accuracy_score(labels, preds)),
         "f1": float(f1_score(labels, preds, average=average, zero_division=0)),
     }
+
+
+def training_memory(cfg, spec, device, model):
+    """The peak-memory tracker of a training loop, set up alike for both backends."""
+    import torch
+
+    from pipeline.memory import TrainingMemory
+
+    na = None
+    if torch.device(device).type == "cuda":
+        if spec.compiles_step:
+            na = "n/a: the optimizer step is compiled (torch.compile), which the tensor tracker cannot follow"
+        elif "paged" in spec.name:
+            na = "n/a: paged optimizer state lives in CUDA unified memory, outside the tensor tracker's view"
+    return TrainingMemory(
+        device,
+        model,
+        budget_mb=cfg.memory_budget_mb,
+        track_steps=cfg.memory_track_steps,
+        breakdown_step=min(2, cfg.train.max_steps),  # the first step that starts with the state in place
+        breakdown_na=na,
+    )
 
 
 def get(name: str):

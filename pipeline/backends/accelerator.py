@@ -14,8 +14,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics
-from pipeline.memory import PeakMemory
+from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics, training_memory
 
 
 def batches(loader, steps: int):
@@ -29,7 +28,23 @@ def batches(loader, steps: int):
             yield batch
 
 
-def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
+def evaluation(accelerator, model, optimizer, eval_loader, spec, splits) -> dict[str, float]:
+    model.eval()
+    if spec.needs_train_eval_mode:
+        optimizer.optimizer.eval()
+    logits, labels, loss_sum = [], [], 0.0
+    with torch.no_grad():
+        for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):
+            out = model(**batch)
+            loss_sum += out.loss.item() * len(batch["labels"])
+            logits.append(accelerator.gather_for_metrics(out.logits).float().cpu().numpy())
+            labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
+    labels = np.concatenate(labels)
+    metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
+    return {"loss": loss_sum / len(labels), **metrics}
+
+
+def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
@@ -51,8 +66,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
-    baseline = [*model.parameters(), *model.buffers()]
-    with PeakMemory(accelerator.device, baseline, cfg.memory_budget_mb) as peak:
+    with training_memory(cfg, spec, accelerator.device, model) as peak:
         start = time.perf_counter()
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
@@ -72,22 +86,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
         progress.close()
         runtime = time.perf_counter() - start
 
-    model.eval()
-    if spec.needs_train_eval_mode:
-        optimizer.optimizer.eval()
-    logits, labels, loss_sum = [], [], 0.0
-    with torch.no_grad():
-        for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):
-            out = model(**batch)
-            loss_sum += out.loss.item() * len(batch["labels"])
-            logits.append(accelerator.gather_for_metrics(out.logits).float().cpu().numpy())
-            labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
-    labels = np.concatenate(labels)
-    metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
     return TrainOutput(
         optimizer=optimizer.optimizer,  # unwrap AcceleratedOptimizer
         losses=losses,
-        eval_metrics={"loss": loss_sum / len(labels), **metrics},
+        eval_metrics=evaluation(accelerator, model, optimizer, eval_loader, spec, splits) if evaluate else {},
         train_runtime_s=runtime,
         peak=peak,
         device=str(accelerator.device),

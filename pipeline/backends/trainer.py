@@ -9,8 +9,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics
-from pipeline.memory import PeakMemory
+from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics, training_memory
 
 
 class StopOnNonFiniteLoss(TrainerCallback):
@@ -20,7 +19,7 @@ class StopOnNonFiniteLoss(TrainerCallback):
             raise NonFiniteLoss(state.global_step, loss)
 
 
-def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
+def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
     optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
     args = TrainingArguments(
@@ -56,18 +55,17 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
         optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
         callbacks=[StopOnNonFiniteLoss()],
     )
-    baseline = [*model.parameters(), *model.buffers()]
-    with PeakMemory(args.device, baseline, cfg.memory_budget_mb) as peak:
+    with training_memory(cfg, spec, args.device, model) as peak:
         start = time.perf_counter()
         trainer.train()
         runtime = time.perf_counter() - start
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics = trainer.evaluate()
+    metrics = trainer.evaluate() if evaluate else {}
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     return TrainOutput(
         optimizer=optimizer,
         losses=losses,
-        eval_metrics={k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "f1")},
+        eval_metrics={k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "f1") if f"eval_{k}" in metrics},
         train_runtime_s=runtime,
         peak=peak,
         device=str(args.device),

@@ -1,0 +1,73 @@
+"""The largest batch size whose training steps stay within a memory budget (`find_batch_size=true`).
+
+Each probe trains two steps of the job's own backend (the second starts with the optimizer state in place)
+with every text padded to `train.max_length`, the worst case, under the same tracker as a training run: on
+CPU the tensor-level peak against `memory_budget_mb`, on CUDA the allocator against the device's real limit
+(or the budget, as a per-process fraction). Batch sizes double until one does not fit, then bisect.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+PROBE_STEPS = 2
+
+
+def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """Largest n in 1..upper with fits(n), for a fits that is true up to some n and false after; 0 if none."""
+    low, n = 0, 1  # low fits, high does not
+    while n <= upper and fits(n):
+        low, n = n, 2 * n
+    high = min(n, upper + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    import torch
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err)
+
+
+def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int, dict[int, dict]]:
+    """Probe batch sizes with `train` (a backend's train function): the largest that fits, and each fitting
+    probe's figures (peak memory, optimizer state) by batch size."""
+    from accelerate.utils.memory import clear_device_cache
+    from omegaconf import OmegaConf
+
+    from pipeline.memory import optimizer_state_size
+
+    fitting: dict[int, dict] = {}
+
+    def fits(batch_size: int) -> bool:
+        probe = OmegaConf.merge(
+            cfg,
+            {
+                "batch_size": batch_size,
+                "train": {"max_steps": PROBE_STEPS, "padding": "max_length"},
+                "memory_track_steps": None,
+            },
+        )
+        try:
+            out = train(probe, model, splits, spec, make_collate(probe), job_dir, evaluate=False)
+            fitting[batch_size] = {**out.peak.metrics(), "state": optimizer_state_size(out.optimizer)}
+            del out
+            print(
+                f"[find_batch_size] batch {batch_size}: fits, peak {fitting[batch_size]['peak_memory_mb']:.1f} MB"
+            )
+            return True
+        except BaseException as err:
+            if not is_out_of_memory(err):
+                raise
+            print(f"[find_batch_size] batch {batch_size}: does not fit ({str(err).splitlines()[0]})")
+            return False
+        finally:  # the probe's gradients, state and activations go before the next probe measures
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            clear_device_cache()
+
+    return largest_fitting(fits, upper=len(splits.train)), fitting
