@@ -47,6 +47,8 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     spec = optimizers.get(cfg.optim.name)
     distributed.check_world_size(cfg, "environment")
     tags = {f"version.{k}": v for k, v in library_versions().items()}
+    if torch.cuda.is_available():  # the devices the runner's GPU pool gave this job
+        tags["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     if spec.compiles_step and not torch.cuda.is_available():
         # torch.compile cannot trace through the CPU peak tracker (a TorchDispatchMode) and torchao asks for
         # fullgraph=True, which then raises: run its step eagerly instead (same math, same state)
