@@ -196,6 +196,7 @@ def test_four_jobs_two_at_a_time_on_a_server_are_all_recorded(mlflow_server, par
     assert "eval F1" in proc.stdout
 
 
+@pytest.mark.slow  # a second sweep of 4 jobs (~50 s); bench/parallel_vs_sequential.py checks the same
 def test_parallel_jobs_give_the_numbers_of_a_sequential_sweep(mlflow_server, parallel_on_server, tmp_path):
     assert run_cli(tmp_path, *FOUR_POINTS).returncode == 0
     client, _, parallel = server_sweep(mlflow_server, parallel_on_server[0])
@@ -308,6 +309,7 @@ def test_zero1_halves_the_state_each_rank_holds(two_rank_jobs):
     assert losses["zero1"] == pytest.approx(losses["none"], rel=1e-5)
 
 
+@pytest.mark.slow  # ~50 s: 4 processes on the CPU at once
 def test_submitit_local_runs_each_job_as_two_tasks(tmp_path):
     proc = run_cli(tmp_path, "-m", "backend=trainer,accelerator", *TINY, "launcher=submitit_local",
                    "launcher.nproc_per_job=2")  # fmt: skip
