@@ -341,3 +341,17 @@ def test_parallel_sweep_on_gpus_gives_each_running_job_its_own_device(tmp_path):
         devices.append(run.data.tags["cuda_visible_devices"])
     # both jobs started at once: with two GPUs or more each had its own; with one they took turns on it
     assert len(set(devices)) == min(2, torch.cuda.device_count())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_rank_jobs_on_gpus_with_nccl_zero1_and_fsdp(tmp_path):
+    args = ["-m", "backend=accelerator", "train.sharding=none,zero1,fsdp", "launcher.nproc_per_job=2"]
+    proc = run_cli(tmp_path, *args, *TINY, *BALANCED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r.data.params["sharding"]: r.data.metrics for r in sweep_runs(tmp_path)[1]}
+    full = runs["none"]["optimizer_state_mb"]
+    assert runs["none"]["params_in_sync"] == runs["zero1"]["params_in_sync"] == 1
+    for sharded in ("zero1", "fsdp"):  # each rank holds about half the state
+        for rank in (0, 1):
+            assert runs[sharded][f"optimizer_state_mb_rank{rank}"] == pytest.approx(full / 2, rel=0.15)

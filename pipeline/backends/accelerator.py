@@ -55,11 +55,16 @@ def train(cfg, model, splits, spec, collate, job_dir: Path) -> TrainOutput:
     if sharding == "zero1":
         optimizer = distributed.zero1(optimizer)
     scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
-    # ZeRO-1's state lives on the rank that owns it: accelerate must not move it (its state_dict is global)
-    placement = [True, sharding != "zero1", True, True, True]
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
-    )
+    if sharding == "fsdp":  # the model is prepared already
+        optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            optimizer, train_loader, eval_loader, scheduler
+        )
+    else:
+        # ZeRO-1's state lives on the rank that owns it: accelerate must not move it (its state_dict is global)
+        placement = [True, sharding != "zero1", True, True, True]
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
+        )
 
     losses = []
     model.train()
