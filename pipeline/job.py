@@ -9,6 +9,7 @@ MLflow is left to the runner.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -39,12 +40,15 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     import torch
     import transformers
 
-    from pipeline import backends, data, models, optimizers, predict
+    from pipeline import backends, data, distributed, models, optimizers, predict
     from pipeline.memory import optimizer_state_size, peak_rss_mb
     from pipeline.timing import StepTimer, peak_flops
 
     spec = optimizers.get(cfg.optim.name)
+    distributed.check_world_size(cfg, "environment")
     tags = {f"version.{k}": v for k, v in library_versions().items()}
+    if torch.cuda.is_available():  # the devices the runner's GPU pool gave this job
+        tags["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
     if spec.compiles_step and not torch.cuda.is_available():
         # torch.compile cannot trace through the CPU peak tracker (a TorchDispatchMode) and torchao asks for
         # fullgraph=True, which then raises: run its step eagerly instead (same math, same state)
@@ -75,14 +79,34 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     with StepTimer() as steps:
         out = backends.get(backend).train(cfg, model, splits, spec, collate, job_dir)
 
+    world_size = distributed.check_world_size(cfg, "process group")
     state = optimizer_state_size(out.optimizer)
-    samples = cfg.train.max_steps * cfg.batch_size
+    if cfg.train.sharding == "zero1":  # this rank's shard: the estimate of the parameters it owns
+        owned = {id(p) for group in out.optimizer.param_groups for p in group["params"]}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        infos = [i for i, p in zip(optimizers.param_infos(model), trainable, strict=True) if id(p) in owned]
+        estimate = spec.estimate(infos, cfg, variant, model.config)
     tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
+    ranks = distributed.gather_ranks(
+        {
+            "optimizer_state_bytes": state.bytes,
+            "peak_memory_mb": out.peak.metrics()["peak_memory_mb"],
+            "param_checksum": None if cfg.train.sharding == "fsdp" else distributed.param_checksum(model),
+            "tokens": tokens,
+            "padded_tokens": padded_tokens,
+        },
+        job_dir,
+    )
+    # throughput of the whole job: every rank's batches
+    samples = cfg.train.max_steps * cfg.batch_size * world_size
+    tokens, padded_tokens = sum(r["tokens"] for r in ranks), sum(r["padded_tokens"] for r in ranks)
     peak, peak_source = peak_flops(out.device, precision, Path(cfg.outputs_dir) / "cache")
+    peak = peak and peak * world_size
     tags["mfu_peak"] = peak_source
     memory = out.peak.metrics()
     tags["peak_breakdown"] = out.peak.breakdown_na or f"step {out.peak.breakdown_step}"
-    if len(out.peak.largest_batch) == 2:  # (batch, seq) of the largest batch: the shapes the peak comes from
+    if len(out.peak.largest_batch) == 2 and cfg.train.sharding != "fsdp":  # FSDP: no per-device model yet
+        # (batch, seq) of the largest batch: the shapes the peak comes from
         memory.update(
             predict.predicted_peak(
                 optimizers.param_infos(model),
@@ -104,7 +128,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "optimizer_state_bytes": state.bytes,
         "optimizer_state_mb": state.mb,
         "optimizer_state_bytes_per_param": state.bytes / num_params,
-        "estimated_optimizer_state_mb": estimate.mb,
+        **({} if cfg.train.sharding == "fsdp" else {"estimated_optimizer_state_mb": estimate.mb}),
         "optimizer_step_ms": steps.median_ms,
         # steady state: the first steps run under the CPU peak tracker (and warm up)
         **({"train_step_ms": ms} if (ms := steps.train_step_ms(skip=cfg.memory_track_steps or 1)) else {}),
@@ -118,6 +142,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         "padding_fraction": 1 - tokens / padded_tokens,
         **({"mfu": model_flops_per_s / peak, "device_peak_tflops": peak / 1e12} if peak else {}),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
+        **distributed.rank_metrics(ranks),
     }
     if "paged" in spec.name and not out.device.startswith("cuda"):
         tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
@@ -217,22 +242,27 @@ def failure_info(err: BaseException) -> dict:
 
 def main(job_dir: Path) -> int:
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
+    rank = int(os.environ.get("RANK", "0"))  # a job of several processes: only rank 0 reports
     try:
         result = run(cfg, job_dir)
     except BaseException as err:  # every failure goes to the runner: reason, figures, summary, traceback
         message = str(err).strip().splitlines()
         summary = f"{type(err).__name__}: {message[0] if message else ''}"
-        (job_dir / ERROR_FILE).write_text(f"{summary}\n\n{traceback.format_exc()}")
-        (job_dir / FAILURE_FILE).write_text(json.dumps(failure_info(err)))
+        if rank == 0:
+            (job_dir / ERROR_FILE).write_text(f"{summary}\n\n{traceback.format_exc()}")
+            (job_dir / FAILURE_FILE).write_text(json.dumps(failure_info(err)))
         traceback.print_exc()
         return 1
+    if rank != 0:
+        return 0
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     m = result["metrics"]
     if cfg.find_batch_size:
         print(f"[job] largest batch that fits: {m['max_batch_size']}", flush=True)
         return 0
     print(
-        f"[job] state {m['optimizer_state_mb']:.2f} MB (estimated {m['estimated_optimizer_state_mb']:.2f}), "
+        f"[job] state {m['optimizer_state_mb']:.2f} MB "
+        f"(estimated {m.get('estimated_optimizer_state_mb', float('nan')):.2f}), "
         f"peak {m['peak_memory_mb']:.1f} MB, eval F1 {m['eval_f1']:.3f}, "
         f"{m['train_samples_per_second']:.1f} samples/s",
         flush=True,

@@ -29,7 +29,16 @@ OUTPUTS = "outputs"  # conf/config.yaml's outputs_dir
 # the comparison group of a row: Δ is taken against the baseline optimizer of the same group
 GROUP = ["model", "batch_size", "backend", "precision"]
 # settings that split rows further when a sweep varies them (never the seed: seeds are the repeats)
-OTHER_SETTINGS = ["data", "lr", "max_steps", "max_length", "weight_decay", "pretrained"]
+OTHER_SETTINGS = [
+    "data",
+    "lr",
+    "max_steps",
+    "max_length",
+    "weight_decay",
+    "pretrained",
+    "world_size",
+    "sharding",
+]
 # comparison-table column (unit in brackets) <- MLflow metric
 COLUMNS = {
     "state [MB]": "optimizer_state_mb",

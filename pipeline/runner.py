@@ -6,6 +6,7 @@ text, and the sweep goes on; every run this module opens ends FINISHED, FAILED o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,13 +23,21 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config import ConfigError, validate
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 
+SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (holds that run's id)
+
 FAILED_JOBS: list[str] = []  # this process's failed jobs with their reason: the summary and the exit code
 SKIPPED_JOBS: list[str] = []  # points that had FINISHED before (resume)
 
 
 def run_name(cfg: DictConfig) -> str:
     what = f"fit{cfg.memory_budget_mb or 'device'}MB" if cfg.find_batch_size else f"bs{cfg.batch_size}"
-    return f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
+    name = f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
+    nproc = cfg.launcher.get("nproc_per_job", 1)
+    if nproc != 1:  # a multi-process job: its ranks and sharding
+        name += f"-x{nproc}" + (
+            "" if cfg.train.get("sharding", "none") == "none" else f"-{cfg.train.sharding}"
+        )
+    return name
 
 
 def job_params(cfg: DictConfig) -> dict:
@@ -50,6 +59,8 @@ def job_params(cfg: DictConfig) -> dict:
         "memory_budget_mb": cfg.memory_budget_mb,
         "memory_track_steps": cfg.memory_track_steps,
         "find_batch_size": cfg.find_batch_size,
+        "world_size": cfg.launcher.nproc_per_job,
+        "sharding": cfg.train.sharding,
     }
 
 
@@ -64,31 +75,86 @@ class Failure:
         return self.text.strip().splitlines()[0]
 
 
-def run_job_process(job_dir: Path, outputs_dir: Path) -> Failure | None:
-    """Run the job in a fresh interpreter; None on success. An exception here (Ctrl-C) kills the job."""
+def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> Failure | None:
+    """Run the job in fresh process(es); None on success. An exception here (Ctrl-C) kills the job."""
+    from pipeline import placement
+
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps
     env = {
-        "TORCHINDUCTOR_CACHE_DIR": str(outputs_dir.resolve() / "cache" / "torchinductor"),
+        "TORCHINDUCTOR_CACHE_DIR": str(Path(cfg.outputs_dir).resolve() / "cache" / "torchinductor"),
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
+        **ranks,
     }
-    proc = subprocess.run([sys.executable, "-m", "pipeline.job", str(job_dir)], env=env)
-    if proc.returncode == 0:
+    n_jobs, nproc = cfg.launcher.n_jobs, cfg.launcher.nproc_per_job
+    if n_jobs > 1 or nproc > 1:  # jobs side by side split the cores instead of fighting over them
+        env["OMP_NUM_THREADS"] = str(placement.cpu_threads(n_jobs, nproc))
+    command = placement.job_command(job_dir, nproc, bool(ranks))
+    gpus = [] if cfg.launcher.name in placement.SCHEDULED else placement.visible_gpus()
+    with placement.GpuPool(pool_dir, gpus).take(nproc) if gpus else contextlib.nullcontext() as devices:
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            print(f"[job] {job_dir.name}: GPU {env['CUDA_VISIBLE_DEVICES']}", flush=True)
+        # its own session: a kill reaches torchrun's ranks too, not only torchrun
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+        try:
+            returncode = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if returncode == 0:
         return None
     if (job_dir / FAILURE_FILE).exists():
         info = json.loads((job_dir / FAILURE_FILE).read_text())
         return Failure(info["reason"], (job_dir / ERROR_FILE).read_text(), info["metrics"])
-    if proc.returncode < 0:
-        return Failure("killed", f"job process was killed by signal {signal.Signals(-proc.returncode).name}")
-    return Failure("exception", f"job process exited with {proc.returncode} and no error report")
+    if returncode < 0:
+        return Failure("killed", f"job process was killed by signal {signal.Signals(-returncode).name}")
+    return Failure("exception", f"job process exited with {returncode} and no error report")
 
 
 def config_hash(cfg: DictConfig) -> str:
     """What makes two jobs the same point: the resolved config, less where results go and `force`."""
     point = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("outputs_dir", "tracking", "force"):
+    for key in ("outputs_dir", "tracking", "force", "launcher"):
         point.pop(key, None)
+    # keys added later count only when set, so points recorded before them are still recognised
+    if point["train"].get("sharding") == "none":
+        del point["train"]["sharding"]
+    nproc = cfg.launcher.get("nproc_per_job", 1)
+    if isinstance(nproc, int) and nproc > 1:  # the number of ranks changes the result (global batch)
+        point["world_size"] = cfg.launcher.nproc_per_job
     return hashlib.sha256(json.dumps(point, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def scheduler_ranks(cfg: DictConfig) -> dict[str, str]:
+    """torch.distributed variables when a scheduler (submitit) started this task as one rank of the job."""
+    from pipeline import placement
+
+    nproc = cfg.launcher.get("nproc_per_job", 1)
+    if cfg.launcher.get("name") in placement.SCHEDULED and isinstance(nproc, int) and nproc > 1:
+        return placement.submitit_ranks()
+    return {}
+
+
+def save_config(cfg: DictConfig, job_dir: Path) -> None:
+    """Write the resolved config atomically: every rank of a submitit job writes it, each job process reads it."""
+    tmp = job_dir / f".{CONFIG_FILE}.{os.getpid()}"
+    OmegaConf.save(cfg, tmp, resolve=True)
+    os.replace(tmp, job_dir / CONFIG_FILE)
+
+
+def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> None:
+    """A rank other than 0 of a scheduler-started job: only its job process; rank 0 records the run."""
+    try:
+        validate(cfg)
+    except ConfigError:
+        return None  # rank 0 records the failure
+    save_config(cfg, job_dir)
+    failure = run_job_process(cfg, job_dir, pool_dir, ranks)
+    if failure is not None:
+        print(f"[job] rank {ranks['RANK']} failed: {failure.summary}", file=sys.stderr, flush=True)
+    return None
 
 
 def run(cfg: DictConfig) -> float | None:
@@ -101,12 +167,17 @@ def run(cfg: DictConfig) -> float | None:
     tracker = Tracker(cfg)
     experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id()
     name, point = run_name(cfg), config_hash(cfg)
+    ranks = scheduler_ranks(cfg)
     if not cfg.force:
         done = tracker.finished_run(experiment_id, point)
         if done is not None:
             print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
             SKIPPED_JOBS.append(name)
+            (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
             return done.data.metrics.get("eval_f1")
+    pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
+    if ranks.get("RANK", "0") != "0":
+        return follow_rank(cfg, job_dir, pool_dir, ranks)
     run_id = tracker.start_run(
         experiment_id,
         name,
@@ -125,10 +196,10 @@ def run(cfg: DictConfig) -> float | None:
         except ConfigError as err:
             failure = Failure("config", f"ConfigError: {err}")
         tracker.log(run_id, params=job_params(cfg))
-        OmegaConf.save(cfg, job_dir / CONFIG_FILE, resolve=True)
+        save_config(cfg, job_dir)
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         if failure is None:
-            failure = run_job_process(job_dir, Path(cfg.outputs_dir))
+            failure = run_job_process(cfg, job_dir, pool_dir, ranks)
         if failure is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])

@@ -135,6 +135,37 @@ def summary_table(runs) -> str:
     return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
 
 
+ACTIVE_SWEEP: dict = {}  # the ids of the sweep this (launching) process opened, for an interrupt
+
+
+def mark_sweep_killed() -> None:
+    """After Ctrl-C / SIGTERM in the launching process: the parent run and every job run still RUNNING
+    become KILLED. Parallel workers may be torn down before their own runner could do it."""
+    if not ACTIVE_SWEEP:
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(ACTIVE_SWEEP["tracking_uri"])
+    parent = ACTIVE_SWEEP["parent_run_id"]
+    running = client.search_runs(
+        [ACTIVE_SWEEP["experiment_id"]],
+        filter_string=f"tags.mlflow.parentRunId = '{parent}' and attributes.status = 'RUNNING'",
+    )
+    for run_id in [r.info.run_id for r in running] + [parent]:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status="KILLED")
+
+
+def failed_job_lines(runs) -> list[str]:
+    """`name (reason: error)` of every job run that did not finish, as the sweep's summary prints them."""
+    return [
+        f"{r.info.run_name} ({r.data.tags.get('failure_reason', r.info.status.lower())}: "
+        f"{r.data.tags.get('error', r.info.status)})"
+        for r in sorted(runs, key=lambda r: r.info.start_time)
+        if r.info.status != "FINISHED"
+    ]
+
+
 class SweepCallback(Callback):
     """Opens the sweep's parent run before the first job and closes it after the last one."""
 
@@ -158,6 +189,7 @@ class SweepCallback(Callback):
         )
         ids = {"tracking_uri": tracker.uri, "experiment_id": experiment_id, "parent_run_id": parent}
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(ids))
+        ACTIVE_SWEEP.update(ids)
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
@@ -169,6 +201,13 @@ class SweepCallback(Callback):
         tracker = Tracker(config)
         runs = tracker.child_runs(ids["experiment_id"], ids["parent_run_id"])
         failed = [r for r in runs if r.info.status != "FINISHED"]
+        # the summary and exit code come from the store, not from this process's lists: with a parallel or
+        # cluster launcher the jobs ran in other processes
+        from pipeline import runner
+
+        runner.FAILED_JOBS[:] = failed_job_lines(runs)
+        skipped = list(Path(config.hydra.sweep.dir).glob(f"**/{runner.SKIPPED_FILE}"))
+        runner.SKIPPED_JOBS[:] = [path.parent.name for path in skipped]
         tracker.log(ids["parent_run_id"], metrics={"jobs": len(runs), "jobs_failed": len(failed)})
         print(f"\n[sweep] {len(runs)} jobs, {len(failed)} failed; parent run {ids['parent_run_id']}")
         if runs:

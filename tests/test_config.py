@@ -21,6 +21,10 @@ def test_every_config_file_composes(group, name):
     if group == "data" and name == "csv":
         with pytest.raises(ConfigError, match="data.train_file is required"):
             validate(cfg)
+    elif group == "tracking" and name == "server":  # a server the check cannot reach must be named
+        cfg.tracking.uri = "http://127.0.0.1:9"
+        with pytest.raises(ConfigError, match="tracking uri http://127.0.0.1:9 does not answer"):
+            validate(cfg)
     else:
         validate(cfg)
 

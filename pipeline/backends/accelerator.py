@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from pipeline import distributed
 from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics, training_memory
 
 
@@ -32,22 +33,32 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits) -> dict
     model.eval()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.eval()
-    logits, labels, loss_sum = [], [], 0.0
+    logits, labels, sample_losses = [], [], []
     with torch.no_grad():
         for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):
             out = model(**batch)
-            loss_sum += out.loss.item() * len(batch["labels"])
+            # the batch's mean loss once per sample, gathered like the logits: the mean over the whole eval
+            # split on any number of ranks (gather_for_metrics drops the samples a rank repeated)
+            per_sample = out.loss.detach().float().expand(len(batch["labels"]))
+            sample_losses.append(accelerator.gather_for_metrics(per_sample).double().cpu().numpy())
             logits.append(accelerator.gather_for_metrics(out.logits).float().cpu().numpy())
             labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
     labels = np.concatenate(labels)
     metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
-    return {"loss": loss_sum / len(labels), **metrics}
+    return {"loss": float(np.concatenate(sample_losses).mean()), **metrics}
 
 
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    sharding = cfg.train.sharding
+    if sharding == "fsdp" and not torch.cuda.is_available():
+        raise ValueError("train.sharding=fsdp needs CUDA devices and torch sees none: use zero1 or none here")
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=mixed,
+        fsdp_plugin=distributed.fsdp_plugin() if sharding == "fsdp" else None,
+    )
     generator = torch.Generator().manual_seed(cfg.seed)
     if cfg.train.group_by_length:
         lengths = [len(ids) for ids in splits.train["input_ids"]]
@@ -56,11 +67,22 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         sampler = RandomSampler(splits.train, generator=generator)
     train_loader = DataLoader(splits.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
     eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
+        model = accelerator.prepare(model)
     optimizer = spec.build(model, cfg)
+    if sharding == "zero1":
+        optimizer = distributed.zero1(optimizer)
     scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
-    )
+    if sharding == "fsdp":  # the model is prepared already
+        optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            optimizer, train_loader, eval_loader, scheduler
+        )
+    else:
+        # ZeRO-1's state lives on the rank that owns it: accelerate must not move it (its state_dict is global)
+        placement = [True, sharding != "zero1", True, True, True]
+        model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
+        )
 
     losses = []
     model.train()
@@ -71,9 +93,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
             loss = model(**batch).loss
-            losses.append(
-                loss.item()
-            )  # a sync per step, as the Trainer's logging: a NaN stops the run at once
+            # a sync per step, as the Trainer's logging: a NaN stops the run at once. Several ranks record the
+            # mean over ranks (as the Trainer does), so all of them stop at the same step
+            shared = accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss
+            losses.append(shared.item())
             if not math.isfinite(losses[-1]):
                 raise NonFiniteLoss(step, losses[-1])
             accelerator.backward(loss)
@@ -87,7 +110,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         runtime = time.perf_counter() - start
 
     return TrainOutput(
-        optimizer=optimizer.optimizer,  # unwrap AcceleratedOptimizer
+        optimizer=distributed.local_optimizer(optimizer.optimizer),  # unwrap AcceleratedOptimizer (and ZeRO)
         losses=losses,
         eval_metrics=evaluation(accelerator, model, optimizer, eval_loader, spec, splits) if evaluate else {},
         train_runtime_s=runtime,

@@ -39,6 +39,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
         logging_nan_inf_filter=False,  # a NaN loss must show, not be smoothed over
+        # under torchrun the Trainer would scale the (already per-batch mean) classification loss by the number
+        # of ranks, doubling gradients and logged losses on 2 ranks; one process is unaffected
+        average_tokens_across_devices=False,
         use_cpu=not torch.cuda.is_available(),
         bf16=cfg.train.precision == "bf16",
         fp16=cfg.train.precision == "fp16",

@@ -1,0 +1,98 @@
+"""Where a job's processes run: its own GPUs from the sweep's pool, its share of the CPU cores, its ranks.
+
+The engines do the work (Hydra launchers run jobs side by side, torchrun / submitit start the ranks of one
+job); this module only decides what each job process gets, through its environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+
+LOCK_DIR = "gpu_locks"
+SCHEDULED = ("slurm", "submitit_local")  # launchers whose scheduler places the job (GPUs, ranks)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may hand out: $CUDA_VISIBLE_DEVICES when set, else every device torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch  # only when the variable is unset: torch's NVML count does not initialise CUDA
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+class GpuPool:
+    """One lock file per device in the sweep folder, held (fcntl.flock) by the runner of the job using it.
+
+    No two running jobs can hold the same device; a finished job's device is free again at once, and the OS
+    drops the locks of a runner that dies, so a crash never strands a device.
+    """
+
+    def __init__(self, folder: Path, devices: list[str]):
+        self.folder = Path(folder) / LOCK_DIR
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.devices = devices
+
+    def _try_take(self, count: int) -> list | None:
+        held = []
+        for device in self.devices:
+            file = open(self.folder / f"gpu{device}.lock", "w")  # held until release
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.close()
+                continue
+            held.append((device, file))
+            if len(held) == count:
+                return held
+        for _, file in held:  # not enough free: give back what we took so another job can finish its set
+            file.close()
+        return None
+
+    @contextlib.contextmanager
+    def take(self, count: int, poll_s: float = 0.2):
+        """Block until `count` devices are free; yields their ids and holds them for the block."""
+        if count > len(self.devices):
+            raise RuntimeError(f"a job needs {count} GPUs and only {len(self.devices)} are visible")
+        while (held := self._try_take(count)) is None:
+            time.sleep(poll_s)
+        try:
+            yield [device for device, _ in held]
+        finally:
+            for _, file in held:
+                file.close()
+
+
+def cpu_threads(n_jobs: int, nproc_per_job: int) -> int:
+    """Each process's share of the cores when n_jobs jobs of nproc_per_job processes run at once."""
+    return max(1, len(os.sched_getaffinity(0)) // (n_jobs * nproc_per_job))
+
+
+def submitit_ranks() -> dict[str, str]:
+    """torch.distributed's env:// variables of this submitit task (one task = one rank of the job)."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    dist = TorchDistributedEnvironment()  # master: first host, port derived from the job id (same on all)
+    return {
+        "MASTER_ADDR": dist.master_addr,
+        "MASTER_PORT": str(dist.master_port),
+        "RANK": str(dist.rank),
+        "WORLD_SIZE": str(dist.world_size),
+        "LOCAL_RANK": str(dist.local_rank),
+        "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+    }
+
+
+def job_command(job_dir: Path, nproc: int, ranks_given: bool) -> list[str]:
+    """`python -m pipeline.job`, or torchrun starting nproc of them (unless a scheduler started the ranks)."""
+    job = ["-m", "pipeline.job", str(job_dir)]
+    if nproc == 1 or ranks_given:
+        return [sys.executable, *job]
+    # --standalone: a rendezvous on a free local port, so parallel jobs never collide on MASTER_PORT
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *job]
