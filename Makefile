@@ -14,7 +14,7 @@ SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
 SERVER_ARTIFACTS ?= $(abspath outputs/mlflow-server-artifacts)
 SERVER_HOST ?= 0.0.0.0
 
-.PHONY: install run report test test-slow test-gpu ui server lint clean
+.PHONY: install run report test test-slow test-gpu ui server lint clean bench bench-full
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,13 @@ test-gpu: install
 	$(BIN)/python -m pipeline.report --tracking-uri sqlite:///$(CURDIR)/outputs/gpu-check/mlflow.db \
 		--whole-experiment --out outputs/gpu-check/report
 
+# the pipeline's own cost against a bare loop, job overhead, MLflow share, parallel jobs -> bench/RESULTS.md
+bench: install
+	$(BIN)/python -m bench
+
+bench-full: install
+	$(BIN)/python -m bench --full
+
 # the UI of the local store; a server (MLFLOW_TRACKING_URI=http://...) serves its own UI at that address
 ui: install
 	@case "$(MLFLOW_UI_URI)" in http*) echo "the MLflow server has its own UI: open $(MLFLOW_UI_URI)";; \
@@ -63,8 +70,8 @@ server: install
 		--host $(SERVER_HOST) --port 5000
 
 lint: install
-	$(BIN)/ruff check pipeline tests
-	$(BIN)/ruff format --check pipeline tests
+	$(BIN)/ruff check pipeline tests bench
+	$(BIN)/ruff format --check pipeline tests bench
 
 clean:
 	rm -rf outputs/mlflow.db outputs/mlartifacts outputs/multirun outputs/runs outputs/report

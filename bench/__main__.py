@@ -1,0 +1,455 @@
+"""`python -m bench [--full]`: the pipeline's own cost, measured side by side, written to bench/RESULTS.md.
+
+(a) steady-state step time of a pipeline job (both backends) against a bare PyTorch loop (bench/bare_loop.py)
+(b) fixed overhead of one job against the import floor `python -c "import torch, transformers, mlflow"`
+(c) time in MLflow calls as a share of the job's wall time
+(d) time from command to error for bad input
+(e) throughput of 4 tiny jobs, 2 at a time against one at a time
+(f) optimizer.step() time of every registered optimizer (bench/optim_steps.py)
+
+Every figure is a ratio of things measured in the same run, interleaved, so machine drift cancels; each is a
+median over repeats with min and max. Work files and logs go to outputs/bench/<time>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+# (e) the parallel launcher: overrides that make a `-m` sweep run 2 jobs at a time. TO BE SET AFTER THE MERGE
+# of the parallel launcher (runner.py); until then hydra-joblib-launcher, when it is installed. An empty string
+# (or a sweep that fails) leaves (e) as "not measured".
+PARALLEL_OVERRIDES = "hydra/launcher=joblib hydra.launcher.n_jobs=2"
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # as the runner sets it for every job
+GOALS = {"step": 1.03, "overhead": 1.3, "mlflow": 0.02, "bad_input_s": 2.0, "parallel": 1.7}
+
+
+@dataclass(frozen=True)
+class Settings:
+    repeats: int
+    model: str  # (a)-(c)
+    batch_size: int
+    steps: int
+    max_length: int
+    eval_samples: int
+    parallel_steps: int  # (e): 4 tiny jobs of this many steps
+    optim_model: str  # (f)
+    optim_steps: int
+
+
+QUICK = Settings(2, "minilm", 8, 20, 64, 64, 5, "tiny", 5)
+FULL = Settings(5, "minilm", 16, 60, 64, 1000, 20, "minilm", 10)
+
+
+def run(cmd: list[str], log: Path, check: bool = True, env: dict | None = None) -> tuple[float, int]:
+    """(wall seconds, exit code) of a command; its output goes to `log`."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        env = {**ENV, **(env or {})}
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    if check and code != 0:
+        sys.exit(f"bench: `{shlex.join(cmd)}` exited with {code}; see {log}")
+    return wall, code
+
+
+def job_overrides(s: Settings, backend: str, seed: int, work: Path, name: str) -> list[str]:
+    return [
+        f"model={s.model}",
+        f"backend={backend}",
+        f"batch_size={s.batch_size}",
+        f"seed={seed}",  # a new point each time: the resume lookup runs, nothing is skipped
+        f"train.max_steps={s.steps}",
+        f"train.max_length={s.max_length}",
+        "train.padding=max_length",  # every batch the same shape: step times do not depend on data order
+        f"data.max_eval_samples={s.eval_samples}",
+        f"outputs_dir={work}",
+        f"hydra.run.dir={work}/runs/{name}",
+    ]
+
+
+def pipeline_job(s: Settings, backend: str, seed: int, work: Path) -> dict:
+    """One job through the real CLI (with bench.probe's stopwatches): its result and phase times."""
+    name = f"{backend}-{seed}"
+    phases = work / f"{name}.cli.json"
+    cmd = [PY, "-m", "bench.probe", "cli", str(phases), *job_overrides(s, backend, seed, work, name)]
+    wall, _ = run(cmd, work / f"{name}.log")
+    job_dir = work / "runs" / name
+    metrics = json.loads((job_dir / "result.json").read_text())["metrics"]
+    return {
+        "wall": wall,
+        "config": job_dir / "config.yaml",
+        **metrics,
+        **json.loads(phases.read_text()),
+        **json.loads((job_dir / "bench_phases.json").read_text()),
+    }
+
+
+def bare_loop(config: Path, work: Path, name: str, peak_tracker: bool = False) -> dict:
+    cmd = [PY, "-m", "bench.bare_loop", str(config), *(["--peak-tracker"] if peak_tracker else [])]
+    run(cmd, work / f"{name}.log")
+    return json.loads((work / f"{name}.log").read_text().strip().splitlines()[-1])
+
+
+def import_floor(work: Path) -> float:
+    return run([PY, "-c", "import torch, transformers, mlflow"], work / "floor.log")[0]
+
+
+BAD_INPUTS = {"optim=nope": ["optim=nope"], "batch_size=0": ["batch_size=0"]}
+
+
+def bad_input(args: list[str], work: Path) -> float:
+    log = work / "bad.log"
+    wall, code = run([PY, "-m", "pipeline", *args, f"outputs_dir={work}"], log, check=False)
+    if code != 2:
+        sys.exit(f"bench: `python -m pipeline {' '.join(args)}` exited with {code}, not 2; see {log}")
+    return wall
+
+
+def sweep4(s: Settings, work: Path, name: str, parallel: str = "", env: dict | None = None) -> float | None:
+    """Wall time of a 4-job sweep of the tiny model (None when the command fails)."""
+    overrides = ["model=tiny", "seed=0,1,2,3", f"train.max_steps={s.parallel_steps}", "force=true"]
+    overrides += [f"outputs_dir={work}", f"hydra.sweep.dir={work}/multirun/{name}", *shlex.split(parallel)]
+    cmd = [PY, "-m", "pipeline", "-m", *overrides]
+    wall, code = run(cmd, work / f"sweep-{name}.log", check=False, env=env)
+    return wall if code == 0 else None
+
+
+def parallel_sweeps(s: Settings, work: Path) -> dict[str, float | None]:
+    """One at a time; 2 at a time; and 2 at a time with half the cores' torch threads per job (2 jobs that
+    each start one thread per core oversubscribe the cores)."""
+    walls = {"one at a time": sweep4(s, work, "sequential")}
+    if PARALLEL_OVERRIDES:
+        walls["2 at a time"] = sweep4(s, work, "parallel", PARALLEL_OVERRIDES)
+        threads = str(max(1, (os.cpu_count() or 2) // 2))
+        walls[f"2 at a time, OMP_NUM_THREADS={threads}"] = sweep4(
+            s, work, "parallel-threads", PARALLEL_OVERRIDES, {"OMP_NUM_THREADS": threads}
+        )
+    return walls
+
+
+def optimizer_steps(s: Settings, work: Path) -> list[dict]:
+    log = work / "optim_steps.log"
+    run([PY, "-m", "bench.optim_steps", s.optim_model, str(s.optim_steps)], log)
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def overhead_s(job: dict) -> float:
+    """CLI wall time less the training loop (train_runtime_s): start-up, loading, evaluation, logging, exit."""
+    return job["wall"] - job["train_runtime_s"]
+
+
+def mlflow_s(job: dict) -> float:
+    return sum(v for k, v in job.items() if k.startswith("mlflow."))
+
+
+def stats(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def cell(values: list[float], fmt: str = "{:.3g}") -> str:
+    med, lo, hi = stats(values)
+    return f"{fmt.format(med)} ({fmt.format(lo)} – {fmt.format(hi)})"
+
+
+def verdict(value: float, goal: float, at_most: bool = True, unit: str = "") -> str:
+    ok = value <= goal if at_most else value >= goal
+    return f"{'≤' if at_most else '≥'} {goal:g}{unit}: " + ("**met**" if ok else "**missed**")
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    names = ["torch", "transformers", "accelerate", "datasets", "hydra-core", "mlflow"]
+    names += ["hydra-joblib-launcher", "bitsandbytes", "torchao"]
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {version(name)}")
+        except Exception:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}; torch threads {torch.get_num_threads()}; "
+        f"Python {platform.python_version()} on {platform.platform()}"
+    )
+
+
+def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
+    """Where one job's wall time goes, phase by phase (seconds, one value per repeat)."""
+
+    def each(fn):
+        return [fn(j) for j in jobs]
+
+    train = each(lambda j: j["train_runtime_s"])
+    rows = [
+        (
+            "CLI process: Python start, imports, Hydra compose (to runner.run)",
+            each(lambda j: j["cli.until_runner"]),
+        ),
+        (
+            "CLI process: MLflow (Tracker init incl. `import mlflow` + store)",
+            each(lambda j: j["mlflow.__init__"]),
+        ),
+        (
+            "CLI process: MLflow calls (lookup, start, log, artifact, end)",
+            each(lambda j: mlflow_s(j) - j["mlflow.__init__"]),
+        ),
+        (
+            "CLI process: rest (interpreter start and teardown, Hydra run dir, config save)",
+            each(lambda j: j["wall"] - j["cli.until_runner"] - mlflow_s(j) - j["cli.job_process"]),
+        ),
+        (
+            "job process: interpreter start and teardown",
+            each(lambda j: j["cli.job_process"] - j["job.total"]),
+        ),
+        (
+            "job process: imports (torch, transformers, accelerate, datasets, pipeline)",
+            each(lambda j: j["job.imports"]),
+        ),
+        (
+            "job process: tokenizer + data + model loading",
+            each(lambda j: j["job.load_tokenizer"] + j["job.load_data"] + j["job.load_model"]),
+        ),
+        ("job process: tokenization", each(lambda j: j["job.tokenize"])),
+        (
+            "job process: backend setup + evaluation",
+            each(lambda j: j["job.backend_train"] - j["train_runtime_s"]),
+        ),
+        (
+            "job process: CPU peak FLOP/s (cached), state size, result",
+            each(
+                lambda j: (
+                    j["job.total"]
+                    - j["job.imports"]
+                    - j["job.load_tokenizer"]
+                    - j["job.load_data"]
+                    - j["job.load_model"]
+                    - j["job.tokenize"]
+                    - j["job.backend_train"]
+                )
+            ),
+        ),
+        ("**fixed overhead** (all of the above)", each(overhead_s)),
+        ("training loop (`train_runtime_s`, not overhead)", train),
+        ("CLI wall time", each(lambda j: j["wall"])),
+    ]
+    return rows
+
+
+def write_results(out: Path, s: Settings, command: str, r: dict, started: datetime, work: Path) -> None:
+    jobs, bare, tracked, floors = r["jobs"], r["bare"], r["tracked"], r["floors"]
+    lines = [
+        "# Benchmark results: the pipeline's own cost",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M} (took {(datetime.now() - started).total_seconds():.0f} s)",
+        f"- machine: {machine()}",
+        f"- libraries: {versions()}",
+        f"- command: `{command}` (settings: {', '.join(f'{k}={v}' for k, v in asdict(s).items())})",
+        f"- logs and work files: `{work.relative_to(ROOT)}/`",
+        "",
+        f"Each cell: median (min – max) over {s.repeats} repeats, run interleaved; ratios are taken within a",
+        "repeat. Absolute times drift on shared machines: read the ratios.",
+        "",
+        "## Goals",
+        "",
+        "| goal | measured | target |",
+        "| --- | --- | --- |",
+    ]
+    for backend, runs in jobs.items():
+        ratios = [j["train_step_ms"] / b["train_step_ms"] for j, b in zip(runs, bare, strict=True)]
+        lines.append(
+            f"| (a) step time, `backend={backend}` / bare loop | {cell(ratios)} | "
+            f"{verdict(statistics.median(ratios), GOALS['step'])} |"
+        )
+    for backend, runs in jobs.items():
+        ratios = [overhead_s(j) / f for j, f in zip(runs, floors, strict=True)]
+        lines.append(
+            f"| (b) fixed overhead of one job, `backend={backend}` / import floor | {cell(ratios)} | "
+            f"{verdict(statistics.median(ratios), GOALS['overhead'])} |"
+        )
+    for backend, runs in jobs.items():
+        calls = [(mlflow_s(j) - j["mlflow.__init__"]) / j["wall"] * 100 for j in runs]
+        lines.append(
+            f"| (c) MLflow calls only (no `Tracker()`), `backend={backend}` [% of wall] | {cell(calls)} | "
+            f"{verdict(statistics.median(calls), GOALS['mlflow'] * 100, unit=' %')} |"
+        )
+        shares = [mlflow_s(j) / j["wall"] * 100 for j in runs]
+        lines.append(
+            f"| (c) MLflow share of the job's wall time, `backend={backend}` [%] | {cell(shares)} | "
+            f"{verdict(statistics.median(shares), GOALS['mlflow'] * 100, unit=' %')} |"
+        )
+    for case, walls in r["bad"].items():
+        lines.append(
+            f"| (d) command to error, `python -m pipeline {case}` [s] | {cell(walls)} | "
+            f"{verdict(statistics.median(walls), GOALS['bad_input_s'])} |"
+        )
+    walls = r["sweep"]
+    seq, par = walls["one at a time"], walls.get("2 at a time")
+    if seq and par:
+        lines.append(
+            f"| (e) 4 tiny jobs, 2 at a time: throughput / one at a time | {seq / par:.2f} "
+            f"({seq:.1f} s / {par:.1f} s) | {verdict(seq / par, GOALS['parallel'], at_most=False)} |"
+        )
+    else:
+        lines.append(
+            f"| (e) 4 tiny jobs, 2 at a time | not measured (`PARALLEL_OVERRIDES={PARALLEL_OVERRIDES!r}` "
+            f"{'failed' if PARALLEL_OVERRIDES else 'unset'}) | ≥ {GOALS['parallel']} |"
+        )
+
+    lines += [
+        "",
+        "## (a) Steady-state step time",
+        "",
+        f"`model={s.model} batch_size={s.batch_size} train.max_length={s.max_length} "
+        f"train.padding=max_length optim=adamw train.max_steps={s.steps}`, torch threads "
+        f"{bare[0]['threads']} in the bare loop and {jobs['trainer'][0]['job.threads']:g} in the job. "
+        "Step time: median wall time between consecutive `optimizer.step()` ends, the first step left "
+        "out (the job's `train_step_ms`; the bare loop measures the same way).",
+        "",
+        "| loop | step [ms] | / bare |",
+        "| --- | --- | --- |",
+        f"| bare PyTorch loop (`bench/bare_loop.py`) | {cell([b['train_step_ms'] for b in bare])} | 1 |",
+        f"| bare loop inside the pipeline's CPU peak tracker | {cell([b['train_step_ms'] for b in tracked])} "
+        f"| {cell([t['train_step_ms'] / b['train_step_ms'] for t, b in zip(tracked, bare, strict=True)])} |",
+    ]
+    for backend, runs in jobs.items():
+        lines.append(
+            f"| pipeline job, `backend={backend}` | {cell([j['train_step_ms'] for j in runs])} | "
+            f"{cell([j['train_step_ms'] / b['train_step_ms'] for j, b in zip(runs, bare, strict=True)])} |"
+        )
+
+    lines += [
+        "",
+        "## (b) Fixed overhead of one job, and (c) MLflow",
+        "",
+        "Fixed overhead = wall time of `python -m pipeline ...` (one run, from the command to its exit) "
+        "less the training loop (`train_runtime_s`): everything a job costs besides training — both "
+        "processes' start-up, imports, loading and tokenizing, backend setup, evaluation "
+        f"({s.eval_samples} eval samples), MLflow, teardown. Import floor = wall time of "
+        f'`python -c "import torch, transformers, mlflow"`: {cell(floors)} s. MLflow = time inside '
+        "the pipeline's `Tracker` (its construction, which imports mlflow and opens the store, and "
+        "every call). Phases from `bench/probe.py` (stopwatches around the real code), in seconds:",
+        "",
+        "| phase | " + " | ".join(f"`backend={b}`" for b in jobs) + " |",
+        "| --- |" + " --- |" * len(jobs),
+    ]
+    phase_rows = {b: job_phases(runs) for b, runs in jobs.items()}
+    for i, (label, _) in enumerate(phase_rows["trainer"]):
+        lines.append(
+            f"| {label} | " + " | ".join(cell(rows[i][1], "{:.2f}") for rows in phase_rows.values()) + " |"
+        )
+
+    lines += [
+        "",
+        "## (d) Bad input",
+        "",
+        "Wall time from the command to its exit (code 2, one line on stderr).",
+        "",
+        "## (e) Parallel jobs",
+        "",
+        f"One `-m` sweep of 4 jobs (`model=tiny seed=0,1,2,3 train.max_steps={s.parallel_steps} "
+        f"force=true`), run as is and with `{PARALLEL_OVERRIDES}` (`PARALLEL_OVERRIDES` in "
+        "`bench/__main__.py`); wall time of the whole command, sweep parent run and report included.",
+        "",
+        "| sweep | wall [s] | throughput / one at a time |",
+        "| --- | --- | --- |",
+        *(
+            f"| {name} | {wall:.1f} | {seq / wall:.2f} |" if wall and seq else f"| {name} | failed | |"
+            for name, wall in walls.items()
+        ),
+        "",
+        "## (f) Optimizer step time",
+        "",
+        f"`optimizer.step()` on `model={s.optim_model}` with fixed random gradients, each optimizer "
+        f"built by the registry's direct factory; median over {s.optim_steps} steps after the first "
+        "(which creates the state). Off CUDA, torchao's compiled step runs eagerly (as in a job). "
+        "One run: compare optimizers within this table, not with other machines.",
+        "",
+        "| optimizer | step [ms] (min – max) | first step [ms] | / adamw |",
+        "| --- | --- | --- | --- |",
+    ]
+    base = next((o["step_ms"] for o in r["optim"] if o["optim"] == "adamw" and "step_ms" in o), None)
+    for o in r["optim"]:
+        if "error" in o:
+            lines.append(f"| {o['optim']} | not run: {o['error']} | | |")
+        else:
+            rel = f"{o['step_ms'] / base:.2f}" if base else ""
+            lines.append(
+                f"| {o['optim']} | {o['step_ms']:.1f} ({o['min_ms']:.1f} – {o['max_ms']:.1f}) | "
+                f"{o['first_step_ms']:.1f} | {rel} |"
+            )
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The pipeline's own cost (make bench / make bench-full).")
+    parser.add_argument("--full", action="store_true", help="more repeats, bigger batch, more steps")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    args = parser.parse_args()
+    s = FULL if args.full else QUICK
+    started = datetime.now()
+    work = ROOT / "outputs" / "bench" / f"{started:%Y-%m-%d_%H-%M-%S}"
+    work.mkdir(parents=True)
+
+    def say(text: str) -> None:
+        print(f"[bench {(datetime.now() - started).total_seconds():4.0f} s] {text}", flush=True)
+
+    say(f"work files in {work}")
+    # not measured: creates the MLflow store and the CPU peak-FLOP/s cache, warms the file cache
+    pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
+    r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
+    for rep in range(s.repeats):
+        say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
+        r["floors"].append(import_floor(work))
+        for backend in ("trainer", "accelerator")[:: 1 if rep % 2 == 0 else -1]:
+            r["jobs"][backend].append(pipeline_job(s, backend, rep, work))
+        config = r["jobs"]["trainer"][-1]["config"]
+        r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
+        r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
+        say(
+            f"  step ms: trainer {r['jobs']['trainer'][-1]['train_step_ms']:.1f}, accelerator "
+            f"{r['jobs']['accelerator'][-1]['train_step_ms']:.1f}, bare {r['bare'][-1]['train_step_ms']:.1f}"
+        )
+    say("bad input")
+    r["bad"] = {case: [bad_input(a, work) for _ in range(3)] for case, a in BAD_INPUTS.items()}
+    say("4 tiny jobs, one at a time, then 2 at a time")
+    r["sweep"] = parallel_sweeps(s, work)
+    say("optimizer step times")
+    r["optim"] = optimizer_steps(s, work)
+    command = "make bench-full" if args.full else "make bench"
+    write_results(args.out, s, command, r, started, work)
+    say(f"wrote {args.out}")
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The real CLI with stopwatches around its phases (the pipeline's code runs unchanged).
+
+    python -m bench.probe cli OUT_JSON [pipeline overrides ...]   # as `python -m pipeline ...`
+    python -m bench.probe job JOB_DIR                              # as `python -m pipeline.job JOB_DIR`
+
+`cli` wraps every Tracker method (MLflow) and the job process, swaps the job's command for `bench.probe job`,
+then runs `pipeline.__main__` as `python -m pipeline` would, and writes its phase times (seconds) to OUT_JSON.
+`job` times the job's imports and each loading step, then runs `pipeline.job.main`; its phases go to
+JOB_DIR/bench_phases.json. A wrapper costs about a microsecond per call: nothing measurable next to a job.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import runpy
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+START = time.perf_counter()
+PHASES: dict[str, float] = defaultdict(float)  # phase name -> seconds
+JOB_PHASES_FILE = "bench_phases.json"
+
+
+def timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PHASES[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def patch(owner, attr: str, name: str) -> None:
+    setattr(owner, attr, timed(name, getattr(owner, attr)))
+
+
+def cli(out: Path, overrides: list[str]) -> None:
+    import subprocess
+
+    from pipeline import runner, tracking
+
+    for method in ("__init__", "experiment_id", "finished_run", "start_run", "log", "log_artifact", "end"):
+        patch(tracking.Tracker, method, f"mlflow.{method}")
+    real_run = runner.run
+
+    def run(cfg):
+        PHASES["cli.until_runner"] = time.perf_counter() - START  # interpreter, imports, Hydra compose
+        return real_run(cfg)
+
+    def run_probed_job(cmd, **kwargs):
+        cmd = [arg for arg in cmd if arg != "pipeline.job"]
+        cmd[2:2] = ["bench.probe", "job"]  # [python, -m, bench.probe, job, JOB_DIR]
+        return subprocess.run(cmd, **kwargs)
+
+    runner.run = run
+    runner.subprocess = type(sys)("subprocess_probe")
+    runner.subprocess.run = timed("cli.job_process", run_probed_job)
+    sys.argv = ["pipeline", *overrides]
+    try:
+        runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    PHASES["cli.total"] = time.perf_counter() - START
+    out.write_text(json.dumps({"exit_code": code, **PHASES}, indent=1))
+    sys.exit(code)
+
+
+def job(job_dir: Path) -> None:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    step_ends = []
+    register_optimizer_step_post_hook(lambda *_: step_ends.append(time.perf_counter()))
+    start = time.perf_counter()
+    import accelerate  # noqa: F401  the job's heavy imports, in the order pipeline.job.run makes them
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+
+    from pipeline import backends, data, job, memory, models, timing
+    from pipeline.backends import accelerator, trainer
+
+    PHASES["job.imports"] = time.perf_counter() - start
+    patch(models, "load_tokenizer", "job.load_tokenizer")
+    patch(models, "load_model", "job.load_model")
+    patch(data, "load_splits", "job.load_data")
+    patch(data, "tokenize", "job.tokenize")
+    patch(trainer, "train", "job.backend_train")
+    patch(accelerator, "train", "job.backend_train")
+    patch(memory, "optimizer_state_size", "job.state_size")
+    patch(timing, "peak_flops", "job.peak_flops")
+    assert backends.get("trainer") is trainer
+    code = job.main(job_dir)
+    PHASES["job.threads"] = torch.get_num_threads()
+    if step_ends:
+        PHASES["job.first_step_end"] = step_ends[0] - START
+        PHASES["job.last_step_end"] = step_ends[-1] - START
+    PHASES["job.total"] = time.perf_counter() - START
+    (job_dir / JOB_PHASES_FILE).write_text(json.dumps(PHASES, indent=1))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    mode, target, *rest = sys.argv[1:]
+    cli(Path(target), rest) if mode == "cli" else job(Path(target))
