@@ -26,10 +26,9 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-# (e) the parallel launcher: overrides that make a `-m` sweep run 2 jobs at a time. TO BE SET AFTER THE MERGE
-# of the parallel launcher (runner.py); until then hydra-joblib-launcher, when it is installed. An empty string
-# (or a sweep that fails) leaves (e) as "not measured".
-PARALLEL_OVERRIDES = "hydra/launcher=joblib hydra.launcher.n_jobs=2"
+# (e) the parallel launcher: overrides that make a `-m` sweep run 2 jobs at a time (each job then gets
+# cores / 2 torch threads); an empty string (or a sweep that fails) leaves (e) as "not measured"
+PARALLEL_OVERRIDES = "launcher=parallel launcher.n_jobs=2"
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -129,15 +128,10 @@ def sweep4(s: Settings, work: Path, name: str, parallel: str = "", env: dict | N
 
 
 def parallel_sweeps(s: Settings, work: Path) -> dict[str, float | None]:
-    """One at a time; 2 at a time; and 2 at a time with half the cores' torch threads per job (2 jobs that
-    each start one thread per core oversubscribe the cores)."""
+    """The same 4 jobs one at a time and 2 at a time."""
     walls = {"one at a time": sweep4(s, work, "sequential")}
     if PARALLEL_OVERRIDES:
         walls["2 at a time"] = sweep4(s, work, "parallel", PARALLEL_OVERRIDES)
-        threads = str(max(1, (os.cpu_count() or 2) // 2))
-        walls[f"2 at a time, OMP_NUM_THREADS={threads}"] = sweep4(
-            s, work, "parallel-threads", PARALLEL_OVERRIDES, {"OMP_NUM_THREADS": threads}
-        )
     return walls
 
 

@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-SKIP_STEPS = 1  # as the job's StepTimer.train_step_ms(skip=1): the first step (allocations, warm-up) is out
+SKIP_STEPS = 3  # as the job's train_step_ms: it leaves out the first memory_track_steps (3) steps
 
 
 def step_times_ms(ends: list[float], skip: int) -> list[float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import runpy
 import sys
 import time
@@ -41,26 +42,25 @@ def patch(owner, attr: str, name: str) -> None:
 
 
 def cli(out: Path, overrides: list[str]) -> None:
-    import subprocess
-
-    from pipeline import runner, tracking
+    from pipeline import placement, runner, tracking
 
     for method in ("__init__", "experiment_id", "finished_run", "start_run", "log", "log_artifact", "end"):
         patch(tracking.Tracker, method, f"mlflow.{method}")
-    real_run = runner.run
+    real_run, real_command = runner.run, placement.job_command
 
     def run(cfg):
         PHASES["cli.until_runner"] = time.perf_counter() - START  # interpreter, imports, Hydra compose
         return real_run(cfg)
 
-    def run_probed_job(cmd, **kwargs):
-        cmd = [arg for arg in cmd if arg != "pipeline.job"]
-        cmd[2:2] = ["bench.probe", "job"]  # [python, -m, bench.probe, job, JOB_DIR]
-        return subprocess.run(cmd, **kwargs)
+    def probed_command(*args):
+        cmd = real_command(*args)
+        at = cmd.index("pipeline.job")
+        cmd[at : at + 1] = ["bench.probe", "job"]  # [python, -m, bench.probe, job, JOB_DIR]
+        return cmd
 
     runner.run = run
-    runner.subprocess = type(sys)("subprocess_probe")
-    runner.subprocess.run = timed("cli.job_process", run_probed_job)
+    placement.job_command = probed_command
+    patch(runner, "run_job_process", "cli.job_process")
     sys.argv = ["pipeline", *overrides]
     try:
         runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
@@ -84,18 +84,23 @@ def job(job_dir: Path) -> None:
     import transformers  # noqa: F401
 
     from pipeline import backends, data, job, memory, models, timing
-    from pipeline.backends import accelerator, trainer
 
     PHASES["job.imports"] = time.perf_counter() - start
     patch(models, "load_tokenizer", "job.load_tokenizer")
     patch(models, "load_model", "job.load_model")
     patch(data, "load_splits", "job.load_data")
     patch(data, "tokenize", "job.tokenize")
-    patch(trainer, "train", "job.backend_train")
-    patch(accelerator, "train", "job.backend_train")
     patch(memory, "optimizer_state_size", "job.state_size")
     patch(timing, "peak_flops", "job.peak_flops")
-    assert backends.get("trainer") is trainer
+    real_get = backends.get
+
+    def get(name):  # the job imports only its own backend: its import counts with the imports
+        module = timed("job.imports", real_get)(name)
+        if not hasattr(module.train, "__wrapped__"):
+            patch(module, "train", "job.backend_train")
+        return module
+
+    backends.get = get
     code = job.main(job_dir)
     PHASES["job.threads"] = torch.get_num_threads()
     if step_ends:
@@ -103,7 +108,9 @@ def job(job_dir: Path) -> None:
         PHASES["job.last_step_end"] = step_ends[-1] - START
     PHASES["job.total"] = time.perf_counter() - START
     (job_dir / JOB_PHASES_FILE).write_text(json.dumps(PHASES, indent=1))
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as pipeline.job ends
 
 
 if __name__ == "__main__":

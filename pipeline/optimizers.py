@@ -86,12 +86,21 @@ class OptimizerSpec:
     step_temporaries: tuple[float, float] = (0.0, 0.0)
 
 
+# Trainer.get_decay_parameter_names' rule (a test checks it is the same): importing the Trainer for it would
+# cost an Accelerator job about 3 s (transformers.trainer pulls torchao and more)
+NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def decay_parameter_names(model) -> list[str]:
+    from torch import nn
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS)
+
+
 def param_groups(model, weight_decay: float) -> list[dict]:
     """The Trainer's grouping: weight decay on all weights but biases and LayerNorm."""
-    from transformers import Trainer
-
-    # get_decay_parameter_names does not use `self`; calling it keeps the rule identical to the Trainer's
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    decay = set(decay_parameter_names(model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},

@@ -4,6 +4,7 @@ the device peak FLOP/s that model FLOPs utilisation (MFU) is measured against.""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -104,7 +105,8 @@ def peak_flops(device: str, precision: str, cache_dir: Path) -> tuple[float | No
                 return (half if dtype != torch.float32 else single) * 1e12, f"data sheet: {key}"
         return None, f"no known peak for {name}"
     # CPU: measured once per machine, thread count and dtype, then cached (as for torch.compile)
-    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|{dtype}"
+    # (platform.processor() would fork `uname -p`: slow from a process this big, and no more precise)
+    key = f"{platform.machine()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|{dtype}"
     path = cache_dir / "cpu_peak_flops.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key not in cache:

@@ -24,3 +24,18 @@ def test_macro_f1_hand_computed():
     m = classification_metrics(logits_for(preds, 3), labels, 3)
     assert m["f1"] == pytest.approx((1 / 2 + 4 / 5 + 2 / 3) / 3)
     assert m["accuracy"] == pytest.approx(4 / 6)
+
+
+@pytest.mark.parametrize("num_labels", [2, 3, 5])
+def test_f1_and_accuracy_equal_scikit_learn(num_labels):
+    from sklearn.metrics import accuracy_score, f1_score
+
+    rng = np.random.default_rng(num_labels)
+    for _ in range(50):
+        labels = rng.integers(0, num_labels, rng.integers(1, 40))
+        logits = rng.normal(size=(len(labels), num_labels))
+        m = classification_metrics(logits, labels, num_labels)
+        preds = logits.argmax(-1)
+        average = "binary" if num_labels == 2 else "macro"
+        assert m["f1"] == pytest.approx(f1_score(labels, preds, average=average, zero_division=0))
+        assert m["accuracy"] == pytest.approx(accuracy_score(labels, preds))

@@ -92,3 +92,10 @@ def test_param_infos_skip_frozen_parameters_and_mark_embeddings():
         optimizers.ParamInfo("0.weight", (10, 4), 4, True),
         optimizers.ParamInfo("1.weight", (2, 4), 4, False),
     ]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "distilbert-base-cased", "gpt2", "roberta-base"])
+def test_weight_decay_names_follow_the_trainers_rule(model_name):
+    cfg = compose_cfg(f"model={model_name}", "model.pretrained=false")
+    model = models.load_model(cfg.model, num_labels=2)
+    assert optimizers.decay_parameter_names(model) == Trainer.get_decay_parameter_names(None, model)

@@ -196,7 +196,7 @@ def test_four_jobs_two_at_a_time_on_a_server_are_all_recorded(mlflow_server, par
     assert "eval F1" in proc.stdout
 
 
-@pytest.mark.slow  # a second sweep of 4 jobs (~50 s); bench/parallel_vs_sequential.py checks the same
+@pytest.mark.slow  # a second sweep of 4 jobs (~50 s); make bench times the same two sweeps
 def test_parallel_jobs_give_the_numbers_of_a_sequential_sweep(mlflow_server, parallel_on_server, tmp_path):
     assert run_cli(tmp_path, *FOUR_POINTS).returncode == 0
     client, _, parallel = server_sweep(mlflow_server, parallel_on_server[0])
