@@ -91,7 +91,10 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         {
             "optimizer_state_bytes": state.bytes,
             "peak_memory_mb": out.peak.metrics()["peak_memory_mb"],
-            "param_checksum": None if cfg.train.sharding == "fsdp" else distributed.param_checksum(model),
+            # (compared across ranks: one process has nothing to compare with)
+            "param_checksum": None
+            if world_size == 1 or cfg.train.sharding == "fsdp"
+            else distributed.param_checksum(model),
             "tokens": tokens,
             "padded_tokens": padded_tokens,
         },

@@ -22,6 +22,8 @@ def visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()]
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
+        return []  # no NVIDIA or ROCm device node: spare the launching process torch's import (seconds)
     import torch  # only when the variable is unset: torch's NVML count does not initialise CUDA
 
     return [str(i) for i in range(torch.cuda.device_count())]
