@@ -30,7 +30,8 @@ SKIPPED_JOBS: list[str] = []  # points that had FINISHED before (resume)
 
 
 def run_name(cfg: DictConfig) -> str:
-    what = f"fit{cfg.memory_budget_mb or 'device'}MB" if cfg.find_batch_size else f"bs{cfg.batch_size}"
+    budget = cfg.memory_budget_mb
+    what = f"bs{cfg.batch_size}" if not cfg.find_batch_size else f"fit{budget}MB" if budget else "fit-device"
     name = f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if nproc != 1:  # a multi-process job: its ranks and sharding
