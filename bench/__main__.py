@@ -118,12 +118,12 @@ def bad_input(args: list[str], work: Path) -> float:
     return wall
 
 
-def sweep4(s: Settings, work: Path, name: str, parallel: str = "", env: dict | None = None) -> float | None:
+def sweep4(s: Settings, work: Path, name: str, parallel: str = "") -> float | None:
     """Wall time of a 4-job sweep of the tiny model (None when the command fails)."""
     overrides = ["model=tiny", "seed=0,1,2,3", f"train.max_steps={s.parallel_steps}", "force=true"]
     overrides += [f"outputs_dir={work}", f"hydra.sweep.dir={work}/multirun/{name}", *shlex.split(parallel)]
     cmd = [PY, "-m", "pipeline", "-m", *overrides]
-    wall, code = run(cmd, work / f"sweep-{name}.log", check=False, env=env)
+    wall, code = run(cmd, work / f"sweep-{name}.log", check=False)
     return wall if code == 0 else None
 
 

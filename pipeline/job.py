@@ -87,10 +87,11 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         infos = [i for i, p in zip(optimizers.param_infos(model), trainable, strict=True) if id(p) in owned]
         estimate = spec.estimate(infos, cfg, variant, model.config)
     tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
+    memory = out.peak.metrics()
     ranks = distributed.gather_ranks(
         {
             "optimizer_state_bytes": state.bytes,
-            "peak_memory_mb": out.peak.metrics()["peak_memory_mb"],
+            "peak_memory_mb": memory["peak_memory_mb"],
             # (compared across ranks: one process has nothing to compare with)
             "param_checksum": None
             if world_size == 1 or cfg.train.sharding == "fsdp"
@@ -106,7 +107,6 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     peak, peak_source = peak_flops(out.device, precision, Path(cfg.outputs_dir) / "cache")
     peak = peak and peak * world_size
     tags["mfu_peak"] = peak_source
-    memory = out.peak.metrics()
     tags["peak_breakdown"] = out.peak.breakdown_na or f"step {out.peak.breakdown_step}"
     if len(out.peak.largest_batch) == 2 and cfg.train.sharding != "fsdp":  # FSDP: no per-device model yet
         # (batch, seq) of the largest batch: the shapes the peak comes from

@@ -331,10 +331,6 @@ class TrainingMemory:
             self.cuda.__exit__(*exc)
         return False
 
-    @property
-    def peak_bytes(self) -> int:
-        return self.cpu.peak if self.on_cpu else self.cuda.peak_bytes
-
     def metrics(self) -> dict[str, float]:
         if self.on_cpu:
             out = {"peak_memory_mb": self.cpu.peak / MB, "peak_memory_tracked_steps": len(self.tracked_steps)}

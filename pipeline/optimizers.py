@@ -413,6 +413,20 @@ def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -
     )  # z and exp_avg_sq; the step count is per group
 
 
+def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> OptimizerSpec:
+    """torchao's low-bit AdamW: its step is compiled (eager on CPU, see pipeline.job)."""
+    return OptimizerSpec(
+        name,
+        torchao_builder(kind),
+        torchao_estimator(kind),
+        trainer_optim,
+        adam_args if trainer_optim else (lambda cfg: {}),
+        requires=("torchao",),
+        compiles_step=True,
+        step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
+    )
+
+
 # --- the registry -----------------------------------------------------------------------------------------
 
 REGISTRY: dict[str, OptimizerSpec] = {
@@ -467,34 +481,9 @@ REGISTRY: dict[str, OptimizerSpec] = {
             adam_args,
             requires=("bitsandbytes",),
         ),
-        OptimizerSpec(
-            "adamw_torchao_8bit",
-            torchao_builder("8bit"),
-            torchao_estimator("8bit"),
-            "adamw_torch_8bit",
-            adam_args,
-            requires=("torchao",),
-            compiles_step=True,
-            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
-        ),
-        OptimizerSpec(
-            "adamw_torchao_4bit",
-            torchao_builder("4bit"),
-            torchao_estimator("4bit"),
-            "adamw_torch_4bit",
-            adam_args,
-            requires=("torchao",),
-            compiles_step=True,
-            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
-        ),
-        OptimizerSpec(
-            "adamw_torchao_fp8",
-            torchao_builder("fp8"),
-            torchao_estimator("fp8"),
-            requires=("torchao",),
-            compiles_step=True,
-            step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
-        ),
+        torchao_spec("adamw_torchao_8bit", "8bit", "adamw_torch_8bit"),
+        torchao_spec("adamw_torchao_4bit", "4bit", "adamw_torch_4bit"),
+        torchao_spec("adamw_torchao_fp8", "fp8"),
         OptimizerSpec(
             "galore_adamw",
             build_galore_adamw,
