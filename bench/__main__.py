@@ -326,8 +326,8 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
         f"`model={s.model} batch_size={s.batch_size} train.max_length={s.max_length} "
         f"train.padding=max_length optim=adamw train.max_steps={s.steps}`, torch threads "
         f"{bare[0]['threads']} in the bare loop and {jobs['trainer'][0]['job.threads']:g} in the job. "
-        "Step time: median wall time between consecutive `optimizer.step()` ends, the first step left "
-        "out (the job's `train_step_ms`; the bare loop measures the same way).",
+        "Step time: median wall time between the starts (the model's forward) of consecutive steps, the "
+        "first 3 steps left out (the job's `train_step_ms`; the bare loop measures the same way).",
         "",
         "| loop | step [ms] | / bare |",
         "| --- | --- | --- |",

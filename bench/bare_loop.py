@@ -7,8 +7,9 @@ clip_grad_norm_, optimizer.step, scheduler.step, zero_grad. Model, tokenizer and
 pipeline.models / pipeline.data (loading is not timed); the optimizer through the registry's direct
 factory (the same class, parameter groups and settings the Trainer's `optim=` string builds).
 
-It prints one JSON line: the median wall time between consecutive optimizer.step() ends, leaving out the
-first SKIP_STEPS steps, i.e. exactly the definition of the job's `train_step_ms` (pipeline.timing).
+It prints one JSON line: the median wall time between the starts of consecutive steps (the model's
+forward), leaving out the first SKIP_STEPS steps, i.e. exactly the definition of the job's `train_step_ms`
+(pipeline.timing).
 `--peak-tracker` runs the same loop inside the pipeline's CPU peak-memory tracker, to show its share.
 """
 
@@ -23,8 +24,8 @@ import time
 SKIP_STEPS = 3  # as the job's train_step_ms: it leaves out the first memory_track_steps (3) steps
 
 
-def step_times_ms(ends: list[float], skip: int) -> list[float]:
-    return [(b - a) * 1000 for a, b in itertools.pairwise(ends[skip:])]
+def step_times_ms(starts: list[float], skip: int) -> list[float]:
+    return [(b - a) * 1000 for a, b in itertools.pairwise(starts[skip:])]
 
 
 def main() -> None:
@@ -63,24 +64,24 @@ def main() -> None:
 
         tracker = PeakMemory("cpu", [*model.parameters(), *model.buffers()])
     model.train()
-    ends, losses = [], []
+    starts, losses = [], []
     with tracker:
         for batch in itertools.islice(loader, cfg.train.max_steps):
+            starts.append(time.perf_counter())
             loss = model(**batch).loss
             loss.backward()
             if cfg.train.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
             optimizer.step()
-            ends.append(time.perf_counter())
             scheduler.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-    times = step_times_ms(ends, SKIP_STEPS)
+    times = step_times_ms(starts, SKIP_STEPS)
     print(
         json.dumps(
             {
                 "train_step_ms": statistics.median(times),
-                "steps": len(ends),
+                "steps": len(starts),
                 "threads": torch.get_num_threads(),
                 "loss_final": losses[-1],
             }

@@ -40,10 +40,9 @@ def main(model_name: str, steps: int) -> None:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from pipeline import job, models, optimizers
+    from pipeline import models, optimizers
+    from pipeline.backends import optimizer_step_mode
 
-    if not torch.cuda.is_available():
-        torch.compile = job.eager_compile  # as pipeline.job: torchao's step runs eagerly on CPU
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         base = compose("config", [f"model={model_name}"])
@@ -63,7 +62,8 @@ def main(model_name: str, steps: int) -> None:
                 optimizer = spec.build(model, cfg)
                 if spec.needs_train_eval_mode:
                     optimizer.train()
-                first, times = time_steps(optimizer, steps)
+                with optimizer_step_mode(spec, device):  # as in a job: torchao's step runs eagerly on CPU
+                    first, times = time_steps(optimizer, steps)
             except Exception as err:  # one optimizer that cannot run here must not hide the others
                 print(json.dumps({**row, "error": f"{type(err).__name__}: {err}"[:200]}), flush=True)
                 continue

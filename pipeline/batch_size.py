@@ -71,3 +71,63 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
             clear_device_cache()
 
     return largest_fitting(fits, upper=len(splits.train)), fitting
+
+
+def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
+    """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by
+    probes), beside the largest one the shapes predict."""
+    import torch
+
+    from pipeline import backends, data, measurements, optimizers, predict
+
+    budget = cfg.memory_budget_mb
+    if budget is None and not torch.cuda.is_available():
+        raise ValueError("find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit")
+    params = optimizers.param_infos(model)
+    estimate = spec.estimate(params, cfg, spec.variant(cfg.backend.name), model.config)
+    best, fitting = search(
+        cfg,
+        model,
+        splits,
+        spec,
+        lambda probe: data.PaddingCollator(tokenizer, probe.train.padding, probe.train.max_length),
+        job_dir,
+        backends.get(cfg.backend.name).train,
+    )
+
+    def predicted_fit(n: int) -> bool:
+        figures = predict.predicted_peak(
+            params,
+            estimate.bytes,
+            model.config,
+            n,
+            cfg.train.max_length,
+            cfg.train.precision,
+            spec.step_temporaries,
+        )
+        return figures["predicted_peak_mb"] <= budget
+
+    metrics = {"max_batch_size": best, "model_num_params": sum(p.numel() for p in model.parameters())}
+    if budget is not None:
+        metrics["predicted_max_batch_size"] = largest_fitting(predicted_fit, len(splits.train))
+    if best:
+        at_best = fitting[best]
+        state = at_best.pop("state")
+        metrics.update({f"max_batch_{k}": v for k, v in at_best.items()})
+        metrics.update(
+            optimizer_state_mb=state.mb,
+            optimizer_state_numel=state.numel,
+            estimated_optimizer_state_mb=estimate.mb,
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        "metrics": metrics,
+        "series": {"probe_peak_mb": {n: f["peak_memory_mb"] for n, f in sorted(fitting.items())}},
+        "params": {
+            "device": device,
+            "num_labels": splits.num_labels,
+            "train_samples": len(splits.train),
+            "probe_padding": "max_length",
+        },
+        "tags": {**measurements.job_tags(spec, device), "mode": "find_batch_size"},
+    }

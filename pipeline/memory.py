@@ -7,6 +7,7 @@ import math
 import resource
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -16,6 +17,17 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeline import MB, StateSize
+
+
+def indexed(device) -> torch.device:
+    """The device with its index: `cuda` becomes `cuda:<current device>`.
+
+    Accelerate names a single GPU `cuda` (no index); torch's per-device allocator calls that do not take an
+    optional device (`torch.cuda.set_per_process_memory_fraction`) raise on it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def storage_leaves(t: torch.Tensor):
@@ -68,6 +80,26 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
 
     for state in optimizer.state.values():
         add(state)
+    return StateSize(numel, nbytes)
+
+
+def paged_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
+    """The part of ``optimizer.state`` that bitsandbytes keeps in paged (CUDA unified) memory.
+
+    bitsandbytes' paged optimizers put the state of large tensors (>= 1e5 elements) in managed memory that it
+    wraps as a CPU tensor marked ``is_paged``; the CUDA caching allocator never sees it, so the allocator's
+    peak leaves it out. Off CUDA bitsandbytes falls back to ordinary tensors: nothing is paged.
+    """
+    seen: set[int] = set()
+    numel = nbytes = 0
+    for state in optimizer.state.values():
+        for value in tree_leaves(state):
+            if isinstance(value, torch.Tensor) and getattr(value, "is_paged", False):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    numel += storage.nbytes() // value.element_size()
+                    nbytes += storage.nbytes()
     return StateSize(numel, nbytes)
 
 
@@ -131,7 +163,7 @@ class PeakMemory:
     """
 
     def __init__(self, device: torch.device, baseline=(), budget_mb: float | None = None):
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.baseline = list(baseline)
         self.budget_bytes = None if budget_mb is None else int(budget_mb * MB)
         self.peak_bytes: int | None = None
@@ -142,6 +174,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.budget_bytes is not None:  # the caching allocator then raises OutOfMemoryError past it
+                # (it caps what the allocator reserves: live tensors, fragmentation and workspaces together)
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
         else:
@@ -154,6 +187,8 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
             self.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
+            if self.budget_bytes is not None:  # the budget is for the block: evaluation runs without it
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
         else:
             self._mode.__exit__(*exc)
             self.peak_bytes = self._mode.peak
@@ -167,11 +202,32 @@ class PeakMemory:
 
 
 class StepBreakdown(MemTracker):
-    """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state.
+    """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state, and what the
+    allocator holds that no tensor accounts for filed as "other".
 
     MemTracker files every tensor created inside `optimizer.step()` as optimizer state; here they are
     temporaries until its post-step hook files the tensors that stay in `optimizer.state` as state.
+    MemTracker sees tensors only. `allocated` (on CUDA: `torch.cuda.memory_allocated`) is read when the step
+    starts; what it holds beyond the tensors MemTracker tracks then (cuBLAS workspaces, 32 MiB per handle on
+    Hopper, one for forward and one for autograd's backward thread; the batch; small tensors of the loop) is
+    `untracked` and counts as "other" for the whole step.
     """
+
+    def __init__(self, device: torch.device, allocated: Callable[[], int] | None = None):
+        super().__init__()
+        self.device = torch.device(device)
+        self._allocated = allocated
+        self.untracked = 0
+
+    def _on_device(self, snapshot) -> dict:
+        return next((v for d, v in snapshot.items() if d.type == self.device.type), {})
+
+    def __enter__(self):
+        super().__enter__()
+        if self._allocated is not None:
+            tracked = self._on_device(self.get_tracker_snapshot("current")).get("Total", 0)
+            self.untracked = max(0, self._allocated() - tracked)
+        return self
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         super()._track(_MemRefType.TEMP if self._in_opt else reftype, t)
@@ -188,17 +244,18 @@ class StepBreakdown(MemTracker):
         self._track_optimizer_states(_MemRefType.OPT, optimizer)
         self._in_opt = False
 
-    def metrics(self, device: torch.device) -> dict[str, float]:
-        snapshot = self.get_tracker_snapshot("peak")
-        peak = next((v for d, v in snapshot.items() if d.type == device.type), {})
+    def metrics(self) -> dict[str, float]:
+        peak = self._on_device(self.get_tracker_snapshot("peak"))
         part = lambda *kinds: sum(peak.get(k, 0) for k in kinds) / MB  # noqa: E731
+        untracked = self.untracked / MB
         return {
             "peak_params_mb": part(_MemRefType.PARAM, _MemRefType.BUFFER),
             "peak_grads_mb": part(_MemRefType.GRAD),
             "peak_optimizer_mb": part(_MemRefType.OPT),
             "peak_activations_mb": part(_MemRefType.ACT),
-            "peak_other_mb": part(_MemRefType.TEMP, _MemRefType.OTH),
-            "peak_breakdown_mb": part("Total"),
+            "peak_other_mb": part(_MemRefType.TEMP, _MemRefType.OTH) + untracked,
+            **({} if self._allocated is None else {"peak_untracked_mb": untracked}),
+            "peak_breakdown_mb": part("Total") + untracked,
         }
 
 
@@ -208,9 +265,15 @@ class TrainingMemory:
     CUDA: the allocator's peak over every step. CPU: the tensor-level tracker, which slows each op, runs on
     the first `track_steps` steps and on any later step whose batch has more tokens than every tracked one
     (activations grow with tokens), so the peak is that of the largest batch; None tracks every step.
-    Step `breakdown_step` runs under `StepBreakdown`, entered at the end of the step before it so that the
-    model's forward hooks see the whole step; `breakdown_na` says why it cannot run, when it cannot.
-    Steps are counted by the model's forward calls in training mode; a step ends with its optimizer step.
+
+    The breakdown runs one step under `StepBreakdown`: the first step (`breakdown_step=1`) or the first one
+    that starts with the optimizer state in place (`breakdown_step=2`: the step after the first optimizer
+    step that ran), entered at the end of the step before it so that the model's forward hooks see the whole
+    step; `breakdown_na` says why it cannot run, when it cannot.
+
+    A step starts with the model's forward in training mode and ends with its optimizer step, or, when the
+    optimizer step never runs (the fp16 grad scaler skips a step whose gradients overflowed, and torch's
+    optimizer hooks then do not fire), when the next step starts or the loop ends.
     """
 
     def __init__(
@@ -222,7 +285,7 @@ class TrainingMemory:
         breakdown_step: int | None = 2,
         breakdown_na: str | None = None,
     ):
-        self.device = torch.device(device)
+        self.device = indexed(device)
         self.model = model
         self.budget_mb = budget_mb
         self.track_steps = track_steps
@@ -230,17 +293,32 @@ class TrainingMemory:
         self.breakdown_na = breakdown_na
         self.breakdown: StepBreakdown | None = None
         self.breakdown_metrics: dict[str, float] = {}
+        self.breakdown_label: str | None = None  # the step the breakdown describes, once it has run
         self.step = 0
+        self.optimizer_steps = 0  # optimizer steps that ran (the grad scaler may skip some)
         self.tracked_steps: list[int] = []
         self.largest_batch: tuple[int, ...] = (0,)  # the shape of the token ids of the largest batch
         self._most_tokens = 0
         self._optimizer = None
         self._depth = 0  # a wrapper optimizer's step (accelerate's) nests the real one
         self._tracking = False
+        self._step_open = False
 
     @property
     def on_cpu(self) -> bool:
         return self.device.type != "cuda"
+
+    @property
+    def breakdown_tag(self) -> str:
+        """The `peak_breakdown` tag: which step the breakdown describes, or why there is none."""
+        if self.breakdown_na:
+            return self.breakdown_na
+        if self.breakdown_label:
+            return self.breakdown_label
+        return (
+            "n/a: no training step started with the optimizer state in place "
+            f"({self.optimizer_steps} of {self.step} optimizer steps ran; the fp16 grad scaler skips steps)"
+        )
 
     def __enter__(self):
         if self.on_cpu:
@@ -266,8 +344,11 @@ class TrainingMemory:
         return [t for t in live if isinstance(t, torch.Tensor)]
 
     def _before_forward(self, module, args, kwargs) -> None:
-        if not module.training or self._tracking:
+        if not module.training:
             return
+        if self._step_open:  # the step before ended without an optimizer step (the grad scaler skipped it)
+            self._end_step(stepped=False)
+        self._step_open = True
         self.step += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         ids = max((t for t in inputs if not t.is_floating_point()), key=torch.numel, default=None)
@@ -293,12 +374,18 @@ class TrainingMemory:
         self._depth -= 1
         if self._depth:
             return
-        self._stop_tracking()
+        self.optimizer_steps += 1
         if self.breakdown is not None:
             self.breakdown.optimizer_step_ended(self._optimizer)
-            self._stop_breakdown()
-        elif self.step + 1 == self.breakdown_step:
-            self._start_breakdown()
+        self._end_step(stepped=True)
+
+    def _end_step(self, stepped: bool) -> None:
+        self._step_open = False
+        self._stop_tracking()
+        if self.breakdown is not None:
+            self._stop_breakdown(stepped)
+        elif stepped and self.breakdown_step == 2 and not self.breakdown_label:
+            self._start_breakdown()  # the next step starts with the optimizer state in place
 
     def _stop_tracking(self) -> None:
         if self._tracking:
@@ -306,25 +393,31 @@ class TrainingMemory:
             self.cpu.__exit__(None, None, None)
 
     def _start_breakdown(self) -> None:
-        self.breakdown = StepBreakdown()
+        allocated = None if self.on_cpu else (lambda: torch.cuda.memory_allocated(self.device))
+        self.breakdown = StepBreakdown(self.device, allocated)
         self.breakdown.track_external(self.model, *([self._optimizer] if self._optimizer else []))
         # MemTracker warns at every backward hook of a module it sees freed; nothing to act on here
         self._quiet = warnings.catch_warnings()
         self._quiet.__enter__()
         warnings.filterwarnings("ignore", message="Module is None")
+        self._breakdown_from = self.step + 1  # the step it sees whole
         self.breakdown.__enter__()
 
-    def _stop_breakdown(self) -> None:
+    def _stop_breakdown(self, stepped: bool) -> None:
         self.breakdown.__exit__(None, None, None)
         self._quiet.__exit__(None, None, None)
-        if self.step == self.breakdown_step:  # the whole step ran under it
-            self.breakdown_metrics = self.breakdown.metrics(self.device)
+        if self.step == self._breakdown_from:  # the whole step ran under it
+            self.breakdown_metrics = self.breakdown.metrics()
+            skipped = "" if stepped else " (its optimizer step was skipped by the grad scaler)"
+            self.breakdown_label = f"step {self.step}{skipped}"
         self.breakdown = None
 
     def __exit__(self, *exc):
+        if self._step_open and exc[0] is None:  # the last step's optimizer step was skipped
+            self._end_step(stepped=False)
         self._stop_tracking()  # modes leave in the reverse order they came: the step's tracker first
         if self.breakdown is not None:
-            self._stop_breakdown()
+            self._stop_breakdown(stepped=False)
         for handle in self._handles:
             handle.remove()
         if not self.on_cpu:

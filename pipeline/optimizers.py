@@ -85,6 +85,16 @@ class OptimizerSpec:
     # per-tensor step makes sqrt(exp_avg_sq) and its quotient for one weight at a time (pipeline.predict)
     step_temporaries: tuple[float, float] = (0.0, 0.0)
 
+    def variant(self, backend: str) -> str | None:
+        """How the optimizer a backend builds differs from `build`'s (the Trainer's own `optim=` path)."""
+        return self.trainer_variant if backend == "trainer" and self.trainer_optim else None
+
+    def compiled_on(self, device_type: str) -> bool:
+        """Whether its step runs compiled on this device type. torchao compiles its step (fullgraph); on CPU
+        it runs eagerly instead (same math, same state): torch.compile cannot trace through the CPU peak
+        tracker, a TorchDispatchMode. The backends apply this around their training loop."""
+        return self.compiles_step and device_type == "cuda"
+
 
 # Trainer.get_decay_parameter_names' rule (a test checks it is the same): importing the Trainer for it would
 # cost an Accelerator job about 3 s (transformers.trainer pulls torchao and more)
@@ -414,7 +424,7 @@ def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -
 
 
 def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> OptimizerSpec:
-    """torchao's low-bit AdamW: its step is compiled (eager on CPU, see pipeline.job)."""
+    """torchao's low-bit AdamW: its step is compiled (eager on CPU, see OptimizerSpec.compiled_on)."""
     return OptimizerSpec(
         name,
         torchao_builder(kind),

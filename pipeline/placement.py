@@ -29,6 +29,13 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def too_few_gpus(nproc: int, gpus: list[str]) -> str:
+    return (
+        f"launcher.nproc_per_job={nproc} is invalid here: it needs {nproc} GPUs and {len(gpus)} "
+        f"{'is' if len(gpus) == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES={','.join(gpus)})"
+    )
+
+
 class GpuPool:
     """One lock file per device in the sweep folder, held (fcntl.flock) by the runner of the job using it.
 
@@ -61,7 +68,7 @@ class GpuPool:
     def take(self, count: int, poll_s: float = 0.2):
         """Block until `count` devices are free; yields their ids and holds them for the block."""
         if count > len(self.devices):
-            raise RuntimeError(f"a job needs {count} GPUs and only {len(self.devices)} are visible")
+            raise RuntimeError(too_few_gpus(count, self.devices))
         while (held := self._try_take(count)) is None:
             time.sleep(poll_s)
         try:

@@ -92,6 +92,8 @@ def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict)
         env["OMP_NUM_THREADS"] = str(placement.cpu_threads(n_jobs, nproc))
     command = placement.job_command(job_dir, nproc, bool(ranks))
     gpus = [] if cfg.launcher.name in placement.SCHEDULED else placement.visible_gpus()
+    if gpus and nproc > len(gpus):  # a bad value for this machine: this point fails, the sweep goes on
+        return Failure("config", f"ConfigError: {placement.too_few_gpus(nproc, gpus)}")
     with placement.GpuPool(pool_dir, gpus).take(nproc) if gpus else contextlib.nullcontext() as devices:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)

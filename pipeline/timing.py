@@ -16,12 +16,18 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 
 class StepTimer:
-    """Wall time of every optimizer.step() inside the block (CUDA synchronised at both ends), and the time
-    between consecutive step ends: one whole training step (data, forward, backward, optimizer, logging)."""
+    """When each training step starts (the model's forward in training mode), and the wall time of every
+    optimizer.step() inside the block (CUDA synchronised at each mark).
 
-    def __init__(self):
-        self.times_s: list[float] = []
-        self.ends_s: list[float] = []
+    The time from one step's start to the next one's is one whole training step (data, forward, backward,
+    optimizer, logging), whether or not its optimizer step ran: the fp16 grad scaler skips the optimizer step
+    of a step whose gradients overflowed, and torch's optimizer hooks then do not fire.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.starts_s: list[float] = []
+        self.times_s: list[float] = []  # optimizer steps that ran
         self._starts: list[float] = []  # a wrapper optimizer's step nests the real one: time the outermost
 
     def _now(self) -> float:
@@ -29,18 +35,21 @@ class StepTimer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def _step_started(self, module, args) -> None:
+        if module.training:
+            self.starts_s.append(self._now())
+
     def _pre(self, optimizer, args, kwargs) -> None:
         self._starts.append(self._now())
 
     def _post(self, optimizer, args, kwargs) -> None:
         start = self._starts.pop()
         if not self._starts:
-            end = self._now()
-            self.times_s.append(end - start)
-            self.ends_s.append(end)
+            self.times_s.append(self._now() - start)
 
     def __enter__(self):
         self._handles = [
+            self.model.register_forward_pre_hook(self._step_started),
             register_optimizer_step_pre_hook(self._pre),
             register_optimizer_step_post_hook(self._post),
         ]
@@ -52,14 +61,26 @@ class StepTimer:
         return False
 
     @property
-    def median_ms(self) -> float:
-        return statistics.median(self.times_s) * 1000
+    def steps(self) -> int:
+        return len(self.starts_s)
+
+    @property
+    def median_ms(self) -> float | None:
+        """Median optimizer.step() time; None when no optimizer step ran."""
+        return statistics.median(self.times_s) * 1000 if self.times_s else None
 
     def train_step_ms(self, skip: int = 0) -> float | None:
         """Median time of a whole training step after the first `skip` steps (warm-up, profiled steps)."""
-        ends = self.ends_s[skip:]
-        gaps = [b - a for a, b in pairwise(ends)]
+        gaps = [b - a for a, b in pairwise(self.starts_s[skip:])]
         return statistics.median(gaps) * 1000 if gaps else None
+
+    def window(self, skip: int) -> tuple[int, int, float] | None:
+        """The steady steps after `skip` warm-up steps: (first, last) step (counted from 1) and their wall
+        time, from the start of step skip + 1 to the start of the last step (whose own end is not marked, so
+        it is left out). None when fewer than skip + 2 steps ran."""
+        if self.steps < skip + 2:
+            return None
+        return skip + 1, self.steps - 1, self.starts_s[-1] - self.starts_s[skip]
 
 
 # Dense peak TFLOP/s of common GPUs (vendor data sheets, no sparsity): (16-bit tensor core, fp32 without TF32).

@@ -70,6 +70,18 @@ def training_memory(cfg, spec, device, model):
     )
 
 
+def optimizer_step_mode(spec, device):
+    """A context for the training loop: an optimizer whose step torch.compile would compile runs it eagerly
+    where `spec.compiled_on` says it does not compile (CPU); nothing changes otherwise."""
+    import contextlib
+
+    import torch
+
+    if spec.compiles_step and not spec.compiled_on(torch.device(device).type):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def get(name: str):
     """The backend module (`name` is checked by pipeline.config before any job starts)."""
     return importlib.import_module(f"pipeline.backends.{name}")

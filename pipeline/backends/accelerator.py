@@ -15,7 +15,13 @@ from transformers import get_scheduler
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from pipeline import distributed
-from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics, training_memory
+from pipeline.backends import (
+    NonFiniteLoss,
+    TrainOutput,
+    classification_metrics,
+    optimizer_step_mode,
+    training_memory,
+)
 
 
 def batches(loader, steps: int):
@@ -88,7 +94,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
-    with training_memory(cfg, spec, accelerator.device, model) as peak:
+    with (
+        training_memory(cfg, spec, accelerator.device, model) as peak,
+        optimizer_step_mode(spec, accelerator.device),
+    ):
         start = time.perf_counter()
         progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):

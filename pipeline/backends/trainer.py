@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pipeline.backends import NonFiniteLoss, TrainOutput, classification_metrics, training_memory
+from pipeline.backends import (
+    NonFiniteLoss,
+    TrainOutput,
+    classification_metrics,
+    optimizer_step_mode,
+    training_memory,
+)
 
 
 class StopOnNonFiniteLoss(TrainerCallback):
@@ -58,7 +64,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
         callbacks=[StopOnNonFiniteLoss()],
     )
-    with training_memory(cfg, spec, args.device, model) as peak:
+    with training_memory(cfg, spec, args.device, model) as peak, optimizer_step_mode(spec, args.device):
         start = time.perf_counter()
         trainer.train()
         runtime = time.perf_counter() - start

@@ -1,0 +1,166 @@
+"""A finished training job's figures, assembled into the record the runner logs to MLflow (metrics, series,
+params, tags): the optimizer state against its estimate, the peak and its prediction, throughput and MFU on
+the steady steps, the eval figures, and the per-rank figures of a multi-process job."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline import StateSize, distributed, optimizers, predict
+from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
+from pipeline.timing import StepTimer, peak_flops
+
+
+def library_versions() -> dict[str, str]:
+    import accelerate
+    import datasets
+    import transformers
+
+    return {m.__name__: m.__version__ for m in (torch, transformers, accelerate, datasets)}
+
+
+def job_tags(spec, device: str) -> dict[str, str]:
+    """What ran the job: library versions, the GPUs the runner's pool gave it, how the optimizer step ran."""
+    tags = {f"version.{k}": v for k, v in library_versions().items()}
+    if torch.cuda.is_available():
+        tags["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    if spec.compiles_step and not spec.compiled_on(torch.device(device).type):
+        tags["optim_compiled"] = "false: eager on CPU, where the tensor-level peak tracker is active"
+    return tags
+
+
+def warmup_steps(cfg) -> int:
+    """Steps left out of the steady-state figures: step 1 (first calls, torch.compile, cuBLAS set-up), step 2
+    (the memory breakdown) and the steps the CPU tensor tracker slows (`memory_track_steps`)."""
+    return max(2, cfg.memory_track_steps or 1)
+
+
+def state_estimate(cfg, spec, model, optimizer) -> StateSize | None:
+    """The analytic state size of what this rank holds: every trainable parameter's, or under ZeRO-1 those of
+    the parameters it owns; None under FSDP, where the parameters are flattened shards."""
+    if cfg.train.sharding == "fsdp":
+        return None
+    infos = optimizers.param_infos(model)
+    if cfg.train.sharding == "zero1":
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        infos = [i for i, p in zip(infos, trainable, strict=True) if id(p) in owned]
+    return spec.estimate(infos, cfg, spec.variant(cfg.backend.name), model.config)
+
+
+def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_params: int, device: str):
+    """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (after the warm-up), the
+    warm-up's own time, or the whole loop's figures when too few steps ran for a steady window."""
+    world = len(ranks)
+    warmup = warmup_steps(cfg)
+    window = timer.window(warmup)
+    metrics = {"train_runtime_s": runtime_s}
+    if window is not None:
+        first, last, seconds = window
+        steps, tokens = last - first + 1, sum(r["window_tokens"] for r in ranks)
+        metrics["train_warmup_s"] = timer.starts_s[warmup] - timer.starts_s[0]
+        basis = f"steps {first}-{last} (after {warmup} warm-up steps)"
+    else:
+        steps, tokens, seconds = cfg.train.max_steps, sum(r["tokens"] for r in ranks), runtime_s
+        basis = f"steps 1-{steps} (the whole loop: fewer than {warmup + 2} steps, no steady window)"
+    metrics["train_samples_per_second"] = steps * cfg.batch_size * world / seconds
+    metrics["train_tokens_per_second"] = tokens / seconds
+    peak, peak_source = peak_flops(device, cfg.train.precision, Path(cfg.outputs_dir) / "cache")
+    if peak:
+        peak *= world
+        # training costs about 6 FLOPs per parameter per (non-padding) token: 2 forward, 4 backward
+        metrics.update(mfu=6 * num_params * tokens / seconds / peak, device_peak_tflops=peak / 1e12)
+    return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
+
+
+def prediction(
+    cfg, spec, model, state_bytes: int, largest_batch: tuple[int, ...], measured_mb: float
+) -> dict:
+    """The peak predicted from shapes for the largest batch, beside the measured one (not under FSDP)."""
+    if len(largest_batch) != 2 or cfg.train.sharding == "fsdp":
+        return {}
+    figures = predict.predicted_peak(
+        optimizers.param_infos(model),
+        state_bytes,
+        model.config,
+        *largest_batch,
+        cfg.train.precision,
+        spec.step_temporaries,
+    )
+    return {**figures, "predicted_peak_error_pct": 100 * (figures["predicted_peak_mb"] / measured_mb - 1)}
+
+
+def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
+    """The record of a training job (rank 0's is the one the runner logs; every rank takes part)."""
+    world_size = distributed.check_world_size(cfg, "process group")
+    num_params = sum(p.numel() for p in model.parameters())
+    state = optimizer_state_size(out.optimizer)
+    paged = paged_state_size(out.optimizer)
+    estimate = state_estimate(cfg, spec, model, out.optimizer)
+    memory = out.peak.metrics()
+    warmup = warmup_steps(cfg)
+    window = timer.window(warmup)
+    tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
+    window_tokens = sum(real for real, _ in collate.batches[window[0] - 1 : window[1]]) if window else 0
+    ranks = distributed.gather_ranks(
+        {
+            "optimizer_state_bytes": state.bytes,
+            "peak_memory_mb": memory["peak_memory_mb"],
+            # (compared across ranks: one process has nothing to compare with)
+            "param_checksum": None
+            if world_size == 1 or cfg.train.sharding == "fsdp"
+            else distributed.param_checksum(model),
+            "tokens": tokens,
+            "padded_tokens": padded_tokens,
+            "window_tokens": window_tokens,
+        },
+        job_dir,
+    )
+    speed, speed_tags = throughput(cfg, timer, out.train_runtime_s, ranks, num_params, out.device)
+    on_cuda = out.device.startswith("cuda")
+    if estimate is not None:
+        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
+        device_state = estimate.bytes - (paged.bytes if on_cuda else 0)
+        memory.update(
+            prediction(cfg, spec, model, device_state, out.peak.largest_batch, memory["peak_memory_mb"])
+        )
+    tokens = sum(r["tokens"] for r in ranks)
+    metrics = {
+        "model_num_params": num_params,
+        "optimizer_state_numel": state.numel,
+        "optimizer_state_bytes": state.bytes,
+        "optimizer_state_mb": state.mb,
+        "optimizer_state_bytes_per_param": state.bytes / num_params,
+        **({} if estimate is None else {"estimated_optimizer_state_mb": estimate.mb}),
+        **({"paged_state_mb": paged.mb} if spec.name.startswith("paged") else {}),
+        **({} if (ms := timer.median_ms) is None else {"optimizer_step_ms": ms}),
+        "optimizer_steps_skipped": timer.steps - len(timer.times_s),
+        **({} if (ms := timer.train_step_ms(skip=warmup)) is None else {"train_step_ms": ms}),
+        **memory,
+        "peak_rss_mb": peak_rss_mb(),
+        "train_loss_final": out.losses[-1],
+        **speed,
+        "train_tokens": tokens,
+        "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks),
+        **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
+        **distributed.rank_metrics(ranks),
+    }
+    tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": out.peak.breakdown_tag}
+    if spec.name.startswith("paged") and not on_cuda:
+        tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
+    return {
+        "metrics": metrics,
+        "series": {"train_loss": out.losses},
+        "params": {
+            "device": out.device,
+            "num_labels": splits.num_labels,
+            "train_samples": len(splits.train),
+            "eval_samples": len(splits.eval),
+            "optim_variant": spec.variant(cfg.backend.name) or "plain",
+            "largest_batch": "x".join(map(str, out.peak.largest_batch)),
+        },
+        "tags": tags,
+    }
