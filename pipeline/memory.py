@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -327,6 +328,8 @@ class TrainingMemory:
         else:
             self.cuda = PeakMemory(self.device, budget_mb=self.budget_mb).__enter__()
         self._handles = [
+            # global hooks run before a module's own, and this one before MemTracker's (registered later)
+            register_module_forward_pre_hook(self._before_any_forward),
             self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             register_optimizer_step_pre_hook(self._before_optimizer_step),
             register_optimizer_step_post_hook(self._after_optimizer_step),
@@ -343,11 +346,15 @@ class TrainingMemory:
             live += [v for state in self._optimizer.state.values() for v in tree_leaves(state)]
         return [t for t in live if isinstance(t, torch.Tensor)]
 
+    def _before_any_forward(self, module, args) -> None:
+        if module is self.model and module.training and self._step_open:
+            # the step before ended without an optimizer step (the grad scaler skipped it): end it before
+            # MemTracker's hooks see the model's forward again
+            self._end_step(stepped=False)
+
     def _before_forward(self, module, args, kwargs) -> None:
         if not module.training:
             return
-        if self._step_open:  # the step before ended without an optimizer step (the grad scaler skipped it)
-            self._end_step(stepped=False)
         self._step_open = True
         self.step += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -14,6 +14,22 @@ CONF = ROOT / "conf"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+
+def pytest_configure(config):
+    """The CPU tests run on CPU on a GPU machine too (their figures, messages and budgets are the CPU
+    tracker's): unless the mark expression selects the gpu tests (`make test-gpu` runs `-m gpu`), this
+    process and every job it starts see no GPU. Set before any test module imports torch."""
+    if not selects_gpu_tests(config.option.markexpr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a pytest -m expression can select a test marked only `gpu` (pytest's own evaluator)."""
+    from _pytest.mark.expression import Expression
+
+    return bool(markexpr) and Expression.compile(markexpr).evaluate(lambda mark: mark == "gpu")
+
+
 # a tiny job: small model, few samples, few steps
 TINY = ["model=tiny", "data.max_train_samples=64", "data.max_eval_samples=32", "train.max_steps=3"]
 
@@ -23,9 +39,9 @@ def compose_cfg(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def run_cli(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """The real CLI, with its outputs and MLflow store under tmp_path."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+def run_cli(tmp_path: Path, *args: str, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    """The real CLI, with its outputs and MLflow store under tmp_path (`env`: variables to set for it)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args, f"outputs_dir={tmp_path}"],
         cwd=ROOT,
@@ -52,6 +68,13 @@ def sweep_runs(tmp_path: Path):
         [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     return parent, children
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """A test not marked gpu, run beside gpu tests (`-m "gpu or ..."`), still starts its jobs without GPUs."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")
