@@ -48,9 +48,9 @@ def cli(out: Path, overrides: list[str]) -> None:
         patch(tracking.Tracker, method, f"mlflow.{method}")
     real_run, real_command = runner.run, placement.job_command
 
-    def run(cfg):
+    def run(*args):
         PHASES["cli.until_runner"] = time.perf_counter() - START  # interpreter, imports, Hydra compose
-        return real_run(cfg)
+        return real_run(*args)
 
     def probed_command(*args):
         cmd = real_command(*args)

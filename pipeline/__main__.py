@@ -1,4 +1,5 @@
-"""`python -m pipeline [-m] key=value ...`: Hydra entry point; each job goes to pipeline.runner."""
+"""`python -m pipeline [-m] key=value ...`: Hydra entry point; each job goes to pipeline.runner, the sweep's
+summary and exit code come from pipeline.sweep."""
 
 import signal
 import sys
@@ -8,6 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from pipeline import runner, sweep
 from pipeline.config import ConfigError, check_group_overrides, validate
 
 
@@ -20,9 +22,9 @@ def main(cfg: DictConfig) -> float | None:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-    from pipeline import runner
-
-    return runner.run(cfg)
+    outcome = runner.run(cfg, sweep.current_ids())
+    sweep.RESULT.add(outcome)
+    return outcome.eval_f1
 
 
 def interrupted(signum, frame):
@@ -40,15 +42,7 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt as err:
-        from pipeline.tracking import mark_sweep_killed
-
-        mark_sweep_killed()  # what a parallel worker, torn down with the sweep, could not mark itself
+        sweep.mark_killed()  # what a parallel worker, torn down with the sweep, could not mark itself
         print(f"\n[sweep] interrupted ({err or 'Ctrl-C'}): the running job and the sweep are marked KILLED")
         sys.exit(130)
-    from pipeline.runner import FAILED_JOBS, SKIPPED_JOBS
-
-    if SKIPPED_JOBS:
-        print(f"[sweep] {len(SKIPPED_JOBS)} skipped (FINISHED before; force=true reruns them)")
-    if FAILED_JOBS:
-        print(f"[sweep] {len(FAILED_JOBS)} failed: " + "; ".join(FAILED_JOBS), file=sys.stderr)
-        sys.exit(1)
+    sys.exit(sweep.RESULT.finish())

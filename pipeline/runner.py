@@ -17,16 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError, validate
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 
 SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (holds that run's id)
-
-FAILED_JOBS: list[str] = []  # this process's failed jobs with their reason: the summary and the exit code
-SKIPPED_JOBS: list[str] = []  # points that had FINISHED before (resume)
 
 
 def run_name(cfg: DictConfig) -> str:
@@ -63,6 +59,16 @@ def job_params(cfg: DictConfig) -> dict:
         "world_size": cfg.launcher.nproc_per_job,
         "sharding": cfg.train.sharding,
     }
+
+
+@dataclass
+class Outcome:
+    """What one point came to, for the sweep's summary and for Hydra (a sweeper optimises `eval_f1`)."""
+
+    name: str
+    status: str  # FINISHED | FAILED | SKIPPED
+    eval_f1: float | None = None
+    reason: str = ""  # `reason: one-line error` of a failure
 
 
 @dataclass
@@ -147,37 +153,38 @@ def save_config(cfg: DictConfig, job_dir: Path) -> None:
     os.replace(tmp, job_dir / CONFIG_FILE)
 
 
-def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> None:
+def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> Outcome:
     """A rank other than 0 of a scheduler-started job: only its job process; rank 0 records the run."""
+    name = run_name(cfg)
     try:
         validate(cfg)
     except ConfigError:
-        return None  # rank 0 records the failure
+        return Outcome(name, "FAILED", reason="config: recorded by rank 0")
     save_config(cfg, job_dir)
     failure = run_job_process(cfg, job_dir, pool_dir, ranks)
     if failure is not None:
         print(f"[job] rank {ranks['RANK']} failed: {failure.summary}", file=sys.stderr, flush=True)
-    return None
+        return Outcome(name, "FAILED", reason=f"{failure.reason}: {failure.summary}")
+    return Outcome(name, "FINISHED")
 
 
-def run(cfg: DictConfig) -> float | None:
-    """Hydra task function. Returns eval F1 (for sweepers that optimise), None when the job failed."""
-    from pipeline.tracking import Tracker, sweep_ids
+def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
+    """One point: skip it when it FINISHED before, else open its run (under the sweep's parent run, whose ids
+    `sweep` holds; None for a single run), run its job process and record the result or the failure."""
+    from pipeline.tracking import Tracker
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    sweep = sweep_ids(Path(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN else None
-    tracker = Tracker(cfg)
-    experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id()
+    tracker = Tracker.for_config(cfg)
+    experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id(cfg.tracking.experiment)
     name, point = run_name(cfg), config_hash(cfg)
     ranks = scheduler_ranks(cfg)
     if not cfg.force:
         done = tracker.finished_run(experiment_id, point)
         if done is not None:
             print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
-            SKIPPED_JOBS.append(name)
             (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
-            return done.data.metrics.get("eval_f1")
+            return Outcome(name, "SKIPPED", done.data.metrics.get("eval_f1"))
     pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
     if ranks.get("RANK", "0") != "0":
         return follow_rank(cfg, job_dir, pool_dir, ranks)
@@ -207,16 +214,15 @@ def run(cfg: DictConfig) -> float | None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
-            return result["metrics"].get("eval_f1")
+            return Outcome(name, "FINISHED", result["metrics"].get("eval_f1"))
         tracker.log(
             run_id, failure.metrics, tags={"error": failure.summary, "failure_reason": failure.reason}
         )
         (job_dir / ERROR_FILE).write_text(failure.text)
         tracker.log_artifact(run_id, job_dir / ERROR_FILE)
         tracker.end(run_id, "FAILED")
-        FAILED_JOBS.append(f"{name} ({failure.reason}: {failure.summary})")
         print(f"[job] {name} FAILED ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
-        return None
+        return Outcome(name, "FAILED", reason=f"{failure.reason}: {failure.summary}")
     except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed), or a store failure
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         tracker.end(run_id, status)

@@ -17,7 +17,7 @@ from matplotlib import image
 from omegaconf import OmegaConf
 
 from pipeline import report
-from pipeline.tracking import SweepCallback
+from pipeline.sweep import SweepCallback
 from tests.conftest import ROOT, TINY, run_cli, store, sweep_runs
 
 # 2 optimizers x 2 batch sizes x 2 seeds; batch_size=0 adds 4 points that fail at validation, before any

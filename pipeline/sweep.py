@@ -1,0 +1,173 @@
+"""A sweep's life: its MLflow parent run (opened before the first job, closed after the last by a Hydra
+callback), the jobs' outcomes, the summary lines and exit code, the report at the end, and the runs marked
+KILLED on Ctrl-C / SIGTERM.
+
+Only the launching process creates things (the sqlite schema, the experiment, the parent run), before any
+job starts; jobs find their ids in SWEEP_FILE in the sweep folder, so parallel jobs never race on creation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from pipeline.runner import SKIPPED_FILE, Outcome
+from pipeline.tracking import Tracker
+
+SWEEP_FILE = "mlflow_sweep.json"
+SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1", "train_samples_per_second")
+
+
+@dataclass
+class SweepResult:
+    """What the jobs of this command came to: the summary lines and the exit code."""
+
+    failed: list[str] = field(default_factory=list)  # `name (reason: error)` of each job that did not finish
+    skipped: list[str] = field(default_factory=list)  # points that had FINISHED before (resume)
+
+    def add(self, outcome: Outcome) -> None:
+        if outcome.status == "SKIPPED":
+            self.skipped.append(outcome.name)
+        elif outcome.status != "FINISHED":
+            self.failed.append(f"{outcome.name} ({outcome.reason})")
+
+    def finish(self) -> int:
+        """Print the summary lines; the command's exit code (1 when a job failed)."""
+        if self.skipped:
+            print(f"[sweep] {len(self.skipped)} skipped (FINISHED before; force=true reruns them)")
+        if self.failed:
+            print(f"[sweep] {len(self.failed)} failed: " + "; ".join(self.failed), file=sys.stderr)
+            return 1
+        return 0
+
+
+# this process's jobs: filled job by job, and from the store at a sweep's end (parallel or cluster launchers
+# run the jobs in other processes)
+RESULT = SweepResult()
+ACTIVE: dict = {}  # the ids of the sweep this (launching) process opened, for an interrupt
+
+
+def sweep_ids(sweep_dir: Path) -> dict | None:
+    path = Path(sweep_dir) / SWEEP_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def current_ids() -> dict | None:
+    """The MLflow ids of the sweep the running Hydra job belongs to (None for a single run)."""
+    hydra_cfg = HydraConfig.get()
+    return sweep_ids(Path(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def summary_table(runs) -> str:
+    """Short console table of a sweep's jobs (the full comparison is `make report`)."""
+    import pandas as pd
+
+    rows = [
+        {
+            "run": r.info.run_name,
+            "status": r.info.status,
+            **{k: r.data.metrics.get(k) for k in SUMMARY_METRICS},
+        }
+        for r in sorted(runs, key=lambda r: r.info.start_time)
+    ]
+    frame = pd.DataFrame(rows).rename(
+        columns={
+            "optimizer_state_mb": "state [MB]",
+            "peak_memory_mb": "peak [MB]",
+            "eval_loss": "eval loss",
+            "eval_f1": "eval F1",
+            "train_samples_per_second": "samples/s",
+        }
+    )
+    return frame.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="")
+
+
+def mark_killed() -> None:
+    """After Ctrl-C / SIGTERM in the launching process: the parent run and every job run still RUNNING
+    become KILLED. Parallel workers may be torn down before their own runner could do it."""
+    if not ACTIVE:
+        return
+    tracker = Tracker(ACTIVE["tracking_uri"])
+    parent = ACTIVE["parent_run_id"]
+    running = tracker.child_runs(ACTIVE["experiment_id"], parent, status="RUNNING")
+    for run_id in [r.info.run_id for r in running] + [parent]:
+        if tracker.status(run_id) == "RUNNING":
+            tracker.end(run_id, "KILLED")
+
+
+def failed_job_lines(runs) -> list[str]:
+    """`name (reason: error)` of every job run that did not finish, as the sweep's summary prints them."""
+    return [
+        f"{r.info.run_name} ({r.data.tags.get('failure_reason', r.info.status.lower())}: "
+        f"{r.data.tags.get('error', r.info.status)})"
+        for r in sorted(runs, key=lambda r: r.info.start_time)
+        if r.info.status != "FINISHED"
+    ]
+
+
+class SweepCallback(Callback):
+    """Opens the sweep's parent run before the first job and closes it after the last one."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from pipeline.config import ConfigError, check_tracking_uri
+
+        try:  # before MLflow's client would retry a dead server for minutes
+            check_tracking_uri(config)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        tracker = Tracker.for_config(config)
+        experiment_id = tracker.experiment_id(config.tracking.experiment)
+        overrides = " ".join(config.hydra.overrides.task)
+        parent = tracker.start_run(
+            experiment_id,
+            name=f"sweep-{sweep_dir.name}",
+            tags={"sweep_dir": str(sweep_dir.resolve()), "overrides": overrides, "kind": "sweep"},
+        )
+        ids = {"tracking_uri": tracker.uri, "experiment_id": experiment_id, "parent_run_id": parent}
+        (sweep_dir / SWEEP_FILE).write_text(json.dumps(ids))
+        ACTIVE.update(ids)
+        print(
+            f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
+        )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        ids = sweep_ids(Path(config.hydra.sweep.dir))
+        if ids is None:
+            return
+        tracker = Tracker.for_config(config)
+        runs = tracker.child_runs(ids["experiment_id"], ids["parent_run_id"])
+        failed = [r for r in runs if r.info.status != "FINISHED"]
+        # the summary and exit code come from the store, not from this process's outcomes: with a parallel or
+        # cluster launcher the jobs ran in other processes
+        RESULT.failed[:] = failed_job_lines(runs)
+        skipped = list(Path(config.hydra.sweep.dir).glob(f"**/{SKIPPED_FILE}"))
+        RESULT.skipped[:] = [path.parent.name for path in skipped]
+        tracker.log(ids["parent_run_id"], metrics={"jobs": len(runs), "jobs_failed": len(failed)})
+        print(f"\n[sweep] {len(runs)} jobs, {len(failed)} failed; parent run {ids['parent_run_id']}")
+        if runs:
+            self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir))
+        tracker.end(ids["parent_run_id"], "FAILED" if failed else "FINISHED")
+
+    @staticmethod
+    def _report(tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path) -> None:
+        """Build the sweep's report, log it to the parent run and print its short table."""
+        try:
+            from pipeline import report
+
+            out, table = report.build(tracker.uri, [parent_run_id], root=outputs_dir / "report")
+            tracker.log_artifacts(parent_run_id, out, "report")
+            print(report.console_text(out, table))
+            print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")
+        except Exception as err:  # the report is a convenience: it must never hide the sweep's results
+            print(f"[sweep] report not built: {type(err).__name__}: {err}")
+            print(summary_table(runs))
