@@ -1,0 +1,48 @@
+"""`python -m pipeline.report`: MLflow runs -> pandas comparison report (tables and plots) for one decision.
+
+One row per (model, batch size, backend, optimizer): what the optimizer keeps in state and at peak, the
+difference against the baseline optimizer (AdamW) of the same model, batch size and backend, and what that
+costs in loss, accuracy, F1 and speed; seeds are aggregated to mean ± sample std. The report reads only what
+the tracker wrote: child runs by `mlflow.search_runs`, loss curves by `MlflowClient.get_metric_history`.
+
+Writes report.md, report.html (self-contained), runs.csv (one row per job), comparison.csv (the table as
+numbers) and PNG plots to outputs/report/<sweep>/.
+"""
+
+from pipeline.report.cli import main
+from pipeline.report.columns import BASELINE, COLUMNS
+from pipeline.report.plots import PLOTS
+from pipeline.report.render import build, console_text, write_report
+from pipeline.report.runs import (
+    EXPERIMENT,
+    ReportError,
+    default_tracking_uri,
+    find_sweeps,
+    job_table,
+    loss_history,
+    search_jobs,
+)
+from pipeline.report.tables import compare, console_table, failed_table, fit_table, format_table, pareto_front
+
+__all__ = [
+    "BASELINE",
+    "COLUMNS",
+    "EXPERIMENT",
+    "PLOTS",
+    "ReportError",
+    "build",
+    "compare",
+    "console_table",
+    "console_text",
+    "default_tracking_uri",
+    "failed_table",
+    "find_sweeps",
+    "fit_table",
+    "format_table",
+    "job_table",
+    "loss_history",
+    "main",
+    "pareto_front",
+    "search_jobs",
+    "write_report",
+]

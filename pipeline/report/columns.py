@@ -1,0 +1,89 @@
+"""The report's columns: which MLflow metric fills which column, their labels and what they mean."""
+
+BASELINE = "adamw"
+# the comparison group of a row: Δ is taken against the baseline optimizer of the same group
+GROUP = ["model", "batch_size", "backend", "precision"]
+# settings that split rows further when a sweep varies them (never the seed: seeds are the repeats)
+OTHER_SETTINGS = [
+    "data",
+    "lr",
+    "max_steps",
+    "max_length",
+    "weight_decay",
+    "pretrained",
+    "world_size",
+    "sharding",
+]
+# comparison-table column (unit in brackets) <- MLflow metric
+COLUMNS = {
+    "state [MB]": "optimizer_state_mb",
+    "estimated state [MB]": "estimated_optimizer_state_mb",
+    "peak [MB]": "peak_memory_mb",
+    "peak reserved [MB]": "peak_memory_reserved_mb",
+    "predicted peak [MB]": "predicted_peak_mb",
+    "prediction error [%]": "predicted_peak_error_pct",
+    "peak: weights [MB]": "peak_params_mb",
+    "peak: gradients [MB]": "peak_grads_mb",
+    "peak: optimizer state [MB]": "peak_optimizer_mb",
+    "peak: activations [MB]": "peak_activations_mb",
+    "peak: other [MB]": "peak_other_mb",
+    "train loss [nats]": "train_loss_final",
+    "eval loss [nats]": "eval_loss",
+    "eval accuracy [0-1]": "eval_accuracy",
+    "eval F1 [0-1]": "eval_f1",
+    "throughput [samples/s]": "train_samples_per_second",
+    "throughput [tokens/s]": "train_tokens_per_second",
+    "padding [0-1]": "padding_fraction",
+    "MFU [0-1]": "mfu",
+    "optimizer step [ms]": "optimizer_step_ms",
+}
+DELTAS = {"state": "state [MB]", "peak": "peak [MB]"}
+SEEDS = "n [seeds]"
+KEY_LABELS = {
+    "optim": "optimizer",
+    "batch_size": "batch size [samples]",
+    "max_steps": "max steps [steps]",
+    "max_length": "max length [tokens]",
+    "weight_decay": "weight decay",
+}
+CONSOLE = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval loss [nats]", "eval F1 [0-1]"]
+CONSOLE += ["throughput [samples/s]"]
+LEGEND = {
+    "n [seeds]": "finished jobs (seeds) behind the row; with n > 1 every value is mean ± sample std (ddof=1)",
+    "state [MB]": "measured optimizer state after the last step (`optimizer_state_mb`, MB = 2^20 bytes)",
+    "estimated state [MB]": "analytic state size from the parameter shapes (`estimated_optimizer_state_mb`)",
+    "Δ state [MB], [%]": "state minus the baseline's state in the same model / batch size / backend / precision group, "
+    "and that difference in % of the baseline's state (negative = saves memory)",
+    "peak [MB]": "peak device memory while training (`peak_memory_mb`: CUDA allocator peak, or CPU tensor peak)",
+    "Δ peak [MB], [%]": "peak minus the baseline's peak in the same group, absolute and in % of the baseline's",
+    "peak reserved [MB]": "CUDA caching allocator's peak (`peak_memory_reserved_mb`); empty on CPU",
+    "predicted peak [MB]": "peak predicted from shapes alone (`predicted_peak_mb`: weights + state + the larger "
+    "of activations and gradients + the optimizer step's temporaries), for the largest batch",
+    "prediction error [%]": "(predicted − measured) / measured peak (`predicted_peak_error_pct`)",
+    "peak: weights / gradients / optimizer state / activations / other [MB]": "what the peak of the profiled "
+    "step (step 2) is made of, by PyTorch's MemTracker (`peak_params_mb`, ...); other = the backward pass's "
+    "and the optimizer step's temporaries (on CUDA also what the allocator holds outside tensors); empty where the tracker cannot follow the optimizer",
+    "train loss [nats]": "cross-entropy of the last training step (`train_loss_final`)",
+    "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`)",
+    "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of label 1 for 2 labels, macro F1 otherwise",
+    "throughput [samples/s]": "training samples per second over the steady steps, warm-up left out "
+    "(`train_samples_per_second`; the tag `throughput_steps` names the steps)",
+    "throughput [tokens/s]": "non-padding training tokens per second over the steady steps (`train_tokens_per_second`)",
+    "padding [0-1]": "share of the training batches' tokens that are padding (`padding_fraction`)",
+    "MFU [0-1]": "model FLOPs utilisation: 6 × parameters × tokens/s against the device's peak for the precision",
+    "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
+}
+# the largest-batch table (find_batch_size=true jobs) <- MLflow metric
+FIT_KEYS = ["model", "backend", "precision", "max_length", "memory_budget_mb", "optim"]
+FIT_COLUMNS = {
+    "largest batch [samples]": "max_batch_size",
+    "predicted largest batch [samples]": "predicted_max_batch_size",
+    "peak at largest batch [MB]": "max_batch_peak_memory_mb",
+    "state [MB]": "optimizer_state_mb",
+}
+
+FAILURE_LABELS = {
+    "oom": "does not fit (out of memory)",
+    "nan_loss": "loss became NaN/inf",
+    "killed": "killed",
+}

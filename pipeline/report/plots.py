@@ -1,0 +1,173 @@
+"""The report's PNG plots (matplotlib, Agg): optimizer state, peak memory, F1 against peak, loss curves,
+throughput and the peak's breakdown."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from pipeline.report.tables import pareto_front, point_columns
+
+PLOTS = {
+    "state_mb.png": "Optimizer state per optimizer (log scale)",
+    "peak_memory.png": "Peak memory per optimizer and batch size (error bars: std over seeds)",
+    "f1_vs_peak.png": "Eval F1 against peak memory; the Pareto front (less memory, higher F1) is marked",
+    "train_loss.png": "Training loss per optimizer (line: mean over seeds, band: min to max)",
+    "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
+    "peak_breakdown.png": "What the peak is made of (profiled step), with the measured and the predicted peak",
+}
+BREAKDOWN = {
+    "weights": "peak: weights [MB]",
+    "gradients": "peak: gradients [MB]",
+    "optimizer state": "peak: optimizer state [MB]",
+    "activations": "peak: activations [MB]",
+    "other": "peak: other [MB]",
+}
+DPI = 110
+
+
+def _figure(width: float = 8, height: float = 4.5):
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    # files only: Agg, unless the caller (a notebook) already chose a backend
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    return fig, fig.subplots()
+
+
+def _colors(optims: list[str]) -> dict:
+    """One colour per optimizer, the same in every plot: tab10, then tab20's light shades (20 in all)."""
+    from matplotlib import colormaps
+
+    palette = [*colormaps["tab10"].colors, *colormaps["tab20"].colors[1::2]]
+    return {optim: palette[i % len(palette)] for i, optim in enumerate(optims)}
+
+
+def _labels(table: pd.DataFrame, columns: list[str]) -> pd.Series:
+    """Row labels from the columns that vary (batch size and optimizer always, when asked for)."""
+    always = ("batch_size", "optim")
+    shown = [c for c in columns if c in always or table[c].nunique(dropna=False) > 1] or columns[:1]
+    named = {"batch_size": "bs {}", "model": "{}", "backend": "{}", "data": "{}", "optim": "{}"}
+    return table[shown].apply(
+        lambda row: " · ".join(named.get(c, c + "={}").format(row[c]) for c in shown), axis=1
+    )
+
+
+def _bars(table: pd.DataFrame, labels: pd.Series, column: str, colors: dict, ax, logy=False, errors=True):
+    """Bars of `column`: one group per label, one colour per optimizer; error bars = std over seeds."""
+    frame = table.assign(label=labels)
+    pivot = lambda values: frame.pivot_table(index="label", columns="optim", values=values, sort=False)  # noqa: E731
+    mean = pivot(column).reindex(columns=[o for o in colors if o in set(frame.optim)])
+    std = pivot(f"{column} std").reindex(index=mean.index, columns=mean.columns).fillna(0) if errors else None
+    mean.plot.bar(ax=ax, yerr=std, logy=logy, rot=0, color=[colors[o] for o in mean], capsize=3)
+    for bars in ax.containers:
+        if hasattr(bars, "patches"):
+            ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
+    ax.set_xlabel("")
+    ax.legend(title="optimizer")
+
+
+def plot_state(table: pd.DataFrame, colors: dict, path: Path) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _figure()
+    # the state does not depend on the batch size: one bar per optimizer and model (backend, ...)
+    series = [c for c in point_columns(table) if c != "batch_size"]
+    _bars(table, _labels(table, series), "state [MB]", colors, ax, logy=True, errors=False)
+
+    def minor(value, _):  # 2 and 5 of each decade, when the axis spans less than 2 decades
+        low, high = ax.get_ylim()
+        lead = round(value / 10 ** math.floor(math.log10(value)))
+        return f"{value:g}" if high / low < 100 and lead in (2, 5) else ""
+
+    # plain numbers (0.1, 1, 10) rather than 10^-1
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+    ax.set_ylabel("optimizer state [MB] (log scale)")
+    ax.set_title("Optimizer state")
+    fig.savefig(path)
+
+
+def plot_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
+    fig, ax = _figure()
+    _bars(table, _labels(table, point_columns(table)), "peak [MB]", colors, ax, logy=False)
+    ax.set_ylabel("peak memory while training [MB]")
+    ax.set_title("Peak memory per optimizer and batch size")
+    fig.savefig(path)
+
+
+def plot_throughput(table: pd.DataFrame, colors: dict, path: Path) -> None:
+    fig, ax = _figure()
+    _bars(table, _labels(table, point_columns(table)), "throughput [tokens/s]", colors, ax)
+    ax.set_ylabel("training throughput [tokens/s]")
+    ax.set_title("Throughput per optimizer and precision")
+    fig.savefig(path)
+
+
+def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
+    """Stacked bars of the peak's parts per row, the measured peak (black tick) and the predicted one (red)."""
+    fig, ax = _figure(width=max(8, 0.7 * len(table) + 3))
+    labels = _labels(table, ["optim", *point_columns(table)])
+    parts = table[list(BREAKDOWN.values())].set_axis(list(BREAKDOWN), axis=1).set_index(labels)
+    parts.plot.bar(ax=ax, stacked=True, rot=30, color=["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8c8c8c"])
+    x = range(len(table))
+    ax.scatter(x, table["peak [MB]"], marker="_", s=900, color="k", zorder=3, label="measured peak")
+    if table["predicted peak [MB]"].notna().any():
+        ax.scatter(x, table["predicted peak [MB]"], marker="_", s=900, color="r", zorder=3, label="predicted")
+    ax.set_xlabel("")
+    ax.set_ylabel("memory at the peak [MB]")
+    ax.set_title("What the peak is made of")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.savefig(path)
+
+
+def plot_f1_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
+    x, y = "peak [MB]", "eval F1 [0-1]"
+    fig, ax = _figure()
+    points = table.assign(label=_labels(table, point_columns(table)), front=pareto_front(table, x, y))
+    for optim, rows in points.groupby("optim", sort=False):
+        ax.errorbar(
+            rows[x], rows[y], rows[f"{y} std"], rows[f"{x} std"], "o", color=colors[optim], label=optim
+        )
+        for _, row in rows.iterrows():
+            ax.annotate(row.label, (row[x], row[y]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    front = points[points.front].sort_values(x)
+    ax.plot(front[x], front[y], "k--", drawstyle="steps-post", lw=1, label="Pareto front")
+    ax.scatter(front[x], front[y], s=220, facecolors="none", edgecolors="k", lw=1.2)
+    ax.set_xlabel("peak memory while training [MB]")
+    ax.set_ylabel("eval F1")
+    ax.set_title("Eval F1 against peak memory (up and left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+
+
+def plot_losses(history: pd.DataFrame, jobs: pd.DataFrame, colors: dict, path: Path) -> None:
+    keys = point_columns(jobs[jobs.status == "FINISHED"])
+    curves = history.merge(jobs[["run_id", "optim", *keys]], on="run_id")
+    curves = curves.groupby(["optim", *keys, "step"], sort=False).train_loss.agg(["mean", "min", "max"])
+    curves = curves.reset_index()
+    fig, ax = _figure()
+    styles = ["-", "--", ":", "-."]
+    labels = _labels(curves, keys)
+    for i, (label, by_label) in enumerate(curves.assign(label=labels).groupby("label", sort=False)):
+        for optim, curve in by_label.groupby("optim", sort=False):
+            curve = curve.sort_values("step")
+            color, style = colors[optim], styles[i % len(styles)]
+            ax.plot(curve.step, curve["mean"], style, color=color, label=f"{optim} · {label}")
+            ax.fill_between(curve.step, curve["min"], curve["max"], color=color, alpha=0.15, lw=0)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss [nats]")
+    ax.set_title("Training loss per optimizer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    fig.savefig(path)

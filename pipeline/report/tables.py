@@ -1,0 +1,132 @@
+"""The job table shaped into the report's tables: the comparison and its Pareto front, failed jobs, largest
+batches, and their text for people."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from pipeline.report.columns import (
+    BASELINE,
+    COLUMNS,
+    CONSOLE,
+    DELTAS,
+    FAILURE_LABELS,
+    FIT_COLUMNS,
+    FIT_KEYS,
+    GROUP,
+    KEY_LABELS,
+    OTHER_SETTINGS,
+    SEEDS,
+)
+
+
+def point_columns(jobs: pd.DataFrame) -> list[str]:
+    """What makes a comparison row besides the optimizer: the group, plus any other setting the jobs vary."""
+    varied = [c for c in OTHER_SETTINGS if c in jobs and jobs[c].nunique(dropna=False) > 1]
+    return GROUP + varied
+
+
+def _optimizer_order(optims, baseline: str) -> list[str]:
+    return sorted(set(optims), key=lambda o: (o != baseline, str(o)))
+
+
+def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """The comparison table as numbers: one row per point, seeds aggregated; `<col> std` beside each mean."""
+    columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim"]))  # a key no job logged stays empty
+    done = jobs[jobs.status == "FINISHED"].reindex(columns=columns)
+    keys = point_columns(done) + ["optim"]
+    values = done.reindex(columns=list(COLUMNS.values())).astype(float)
+    values.columns = list(COLUMNS)
+    grouped = pd.concat([done[keys], values], axis=1).groupby(keys, dropna=False)
+    table = pd.concat(
+        [grouped.size().rename(SEEDS), grouped.mean(), grouped.std(ddof=1).add_suffix(" std")], axis=1
+    ).reset_index()
+    # Δ against the baseline optimizer of the same group (empty where the group has no finished baseline)
+    group = keys[:-1]
+    reference = table[table.optim == baseline].set_index(group)[list(DELTAS.values())]
+    reference = table[group].join(reference, on=group)
+    for name, column in DELTAS.items():
+        table[f"Δ {name} [MB]"] = table[column] - reference[column]
+        table[f"Δ {name} [%]"] = 100 * (table[column] - reference[column]) / reference[column]
+    table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    table = table.sort_values(keys, ignore_index=True)
+    table["optim"] = table.optim.astype(str)
+    order = [*keys, SEEDS, "state [MB]", "estimated state [MB]", "Δ state [MB]", "Δ state [%]", "peak [MB]"]
+    order += ["Δ peak [MB]", "Δ peak [%]", *list(COLUMNS)[3:]]
+    return table[[c for column in order for c in (column, f"{column} std") if c in table]]
+
+
+def pareto_front(table: pd.DataFrame, x: str = "peak [MB]", y: str = "eval F1 [0-1]") -> pd.Series:
+    """Rows no other row beats: none has x <= and y >= with one of them strict (less memory, higher F1)."""
+    points = table.dropna(subset=[x, y])
+    px, py = points[x].to_numpy(), points[y].to_numpy()
+    # [i, j]: row j is at least as good as row i on both and better on one
+    beats = (px <= px[:, None]) & (py >= py[:, None]) & ((px < px[:, None]) | (py > py[:, None]))
+    return pd.Series(~beats.any(axis=1), index=points.index).reindex(table.index, fill_value=False)
+
+
+def _fmt(value, spec: str = ".4g") -> str:
+    return "" if pd.isna(value) else format(value, spec)
+
+
+def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
+    """Strings for people: 4 significant digits, ± std (2 digits) where there is a std, empty where nothing
+    was measured."""
+    keys = [c for c in table if c in GROUP + OTHER_SETTINGS + ["optim"]]
+    out = table[keys].rename(columns=KEY_LABELS)
+    out[SEEDS] = table[SEEDS]
+    for column in columns or [c for c in table.columns[len(keys) + 1 :] if not c.endswith(" std")]:
+        spec = "+.4g" if column.startswith("Δ") else ".4g"
+        std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
+        out[column] = [
+            _fmt(m, spec) + (f" ± {_fmt(s, '.2g')}" if pd.notna(s) else "")
+            for m, s in zip(table[column], std, strict=True)
+        ]
+    return out
+
+
+def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:
+    columns = [
+        "run_name",
+        "optim",
+        "model",
+        "batch_size",
+        "backend",
+        "seed",
+        "status",
+        "failure_reason",
+        "error",
+    ]
+    failed = jobs.loc[jobs.status != "FINISHED"].reindex(columns=columns)
+    failed["failure_reason"] = failed.failure_reason.map(lambda r: FAILURE_LABELS.get(r, r))
+    return failed.rename(columns={"run_name": "run", "failure_reason": "why", **KEY_LABELS}).fillna("")
+
+
+def is_fit_job(jobs: pd.DataFrame) -> pd.Series:
+    """Jobs run with find_batch_size=true: they search a batch size instead of training."""
+    return jobs["max_batch_size"].notna() if "max_batch_size" in jobs else pd.Series(False, index=jobs.index)
+
+
+def fit_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """Largest batch that fits the memory budget, per optimizer (seeds: the smallest found)."""
+    done = jobs[is_fit_job(jobs) & (jobs.status == "FINISHED")].reindex(
+        columns=list(dict.fromkeys([*FIT_KEYS, *FIT_COLUMNS.values()]))
+    )
+    if done.empty:
+        return pd.DataFrame()
+    values = done[list(FIT_COLUMNS.values())].astype(float).set_axis(list(FIT_COLUMNS), axis=1)
+    table = pd.concat([done[FIT_KEYS], values], axis=1).groupby(FIT_KEYS, dropna=False).min().reset_index()
+    table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    table = table.sort_values(FIT_KEYS, ignore_index=True)
+    table["optim"] = table.optim.astype(str)
+    labels = {**KEY_LABELS, "memory_budget_mb": "budget [MB]"}
+    return table.rename(columns=labels)
+
+
+def console_table(table: pd.DataFrame) -> str:
+    """The short table printed at the end of a sweep."""
+    return format_table(table, [c for c in CONSOLE if c in table]).to_string(index=False)
+
+
+def _plain(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.map(lambda v: _fmt(v) if isinstance(v, float) else v)

@@ -1,0 +1,51 @@
+"""The code's layout: imports flow one way (no module imports another that imports it back, directly or in a
+loop), and the MLflow adapter imports nothing of ours."""
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+
+from tests.conftest import ROOT
+
+
+def our_imports() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (at the top or inside a function), `pipeline` excluded:
+    every module may import the package's own `__init__` (MB, StateSize)."""
+    files = {}
+    for path in (ROOT / "pipeline").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t not in (name, "pipeline")}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = our_imports()
+    assert {"pipeline.sweep", "pipeline.runner", "pipeline.report.runs"} <= graph.keys()
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as err:
+        raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+    assert len(order) == len(graph)
+
+
+def test_the_mlflow_adapter_and_the_services_import_nothing_above_them():
+    graph = our_imports()
+    assert graph["pipeline.tracking"] == set()
+    above = {"pipeline.__main__", "pipeline.sweep", "pipeline.runner", "pipeline.job", "pipeline.config"}
+    for name, imports in graph.items():
+        if name.startswith(("pipeline.report", "pipeline.tracking", "pipeline.backends")):
+            assert not imports & above, f"{name} imports {imports & above}"
