@@ -78,13 +78,12 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
     probes), beside the largest one the shapes predict."""
     import torch
 
-    from pipeline import backends, data, measurements, optimizers, predict
+    from pipeline import backends, data, measurements, optimizers, plan
 
     budget = cfg.memory_budget_mb
     if budget is None and not torch.cuda.is_available():
         raise ValueError("find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit")
-    params = optimizers.param_infos(model)
-    estimate = spec.estimate(params, cfg, spec.variant(cfg.backend.name), model.config)
+    estimate = spec.estimate(optimizers.param_infos(model), cfg, spec.variant(cfg.backend.name), model.config)
     best, fitting = search(
         cfg,
         model,
@@ -95,21 +94,15 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
         backends.get(cfg.backend.name).train,
     )
 
-    def predicted_fit(n: int) -> bool:
-        figures = predict.predicted_peak(
-            params,
-            estimate.bytes,
-            model.config,
-            n,
-            cfg.train.max_length,
-            cfg.train.precision,
-            spec.step_temporaries,
-        )
-        return figures["predicted_peak_mb"] <= budget
-
     metrics = {"max_batch_size": best, "model_num_params": sum(p.numel() for p in model.parameters())}
-    if budget is not None:
-        metrics["predicted_max_batch_size"] = largest_fitting(predicted_fit, len(splits.train))
+    if budget is not None:  # the plan's answer for the same worst case (every text max_length tokens)
+        cuda = torch.cuda.is_available()
+        names = tuple(tokenizer.model_input_names)
+        simulated = plan.simulate(model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names)
+        limit = plan.largest_batch(
+            simulated, cfg.train.max_length, cfg.train.precision, budget, max(1, best), cuda
+        )
+        metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
     if best:
         at_best = fitting[best]
         state = at_best.pop("state")

@@ -95,8 +95,23 @@ def validate(cfg: DictConfig) -> None:
         lambda v: v is None or (isinstance(v, int) and v > 0),
         "must be null (every step) or a positive integer",
     )
-    if not isinstance(cfg.find_batch_size, bool):
-        raise ConfigError(f"find_batch_size={cfg.find_batch_size!r} is invalid: must be true or false")
+    for key in ("find_batch_size", "plan", "train.gradient_checkpointing"):
+        if not isinstance(_value(cfg, key), bool):
+            raise ConfigError(f"{key}={_value(cfg, key)!r} is invalid: must be true or false")
+    if cfg.plan and (cfg.find_batch_size or cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
+        raise ConfigError(
+            "plan=true is invalid with find_batch_size=true, launcher.nproc_per_job > 1 or train.sharding: "
+            "a plan predicts one process's training step"
+        )
+    if cfg.device_memory is not None:
+        from pipeline.plan import DEVICE_MEMORY_GB
+
+        _check(
+            cfg,
+            "device_memory",
+            lambda v: v in DEVICE_MEMORY_GB,
+            f"allowed values are {', '.join(DEVICE_MEMORY_GB)}",
+        )
     if cfg.find_batch_size and cfg.launcher.nproc_per_job != 1:
         raise ConfigError(
             f"find_batch_size=true is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job}: "

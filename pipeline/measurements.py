@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import StateSize, distributed, optimizers, predict
+from pipeline import StateSize, distributed, optimizers
 from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
 from pipeline.timing import StepTimer, peak_flops
 
@@ -76,21 +76,22 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_p
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
-def prediction(
-    cfg, spec, model, state_bytes: int, largest_batch: tuple[int, ...], measured_mb: float
-) -> dict:
-    """The peak predicted from shapes for the largest batch, beside the measured one (not under FSDP)."""
+def prediction(cfg, spec, model, names, exclude_mb: float, largest_batch: tuple, measured_mb: float) -> dict:
+    """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors) for the largest
+    batch, beside the measured one; `exclude_mb` of the state is not on the device (paged). Not under FSDP."""
     if len(largest_batch) != 2 or cfg.train.sharding == "fsdp":
         return {}
-    figures = predict.predicted_peak(
-        optimizers.param_infos(model),
-        state_bytes,
-        model.config,
-        *largest_batch,
-        cfg.train.precision,
-        spec.step_temporaries,
-    )
-    return {**figures, "predicted_peak_error_pct": 100 * (figures["predicted_peak_mb"] / measured_mb - 1)}
+    from pipeline import plan
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    figures = plan.simulate(model.config, spec, cfg, *largest_batch, cuda=cuda, names=names)
+    peak = figures["peak"] - exclude_mb
+    return {
+        "predicted_peak_mb": peak,
+        "predicted_activations_mb": figures["parts"]["activations"],
+        "predicted_peak_error_pct": 100 * (peak / measured_mb - 1),
+        "prediction_method": figures["method"],  # a tag
+    }
 
 
 def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
@@ -123,10 +124,19 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
         # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
-        device_state = estimate.bytes - (paged.bytes if on_cuda else 0)
+        paged_mb = paged.mb if on_cuda else 0.0
         memory.update(
-            prediction(cfg, spec, model, device_state, out.peak.largest_batch, memory["peak_memory_mb"])
+            prediction(
+                cfg,
+                spec,
+                model,
+                collate.input_names,
+                paged_mb,
+                out.peak.largest_batch,
+                memory["peak_memory_mb"],
+            )
         )
+    method = memory.pop("prediction_method", None)  # a tag, not a metric
     tokens = sum(r["tokens"] for r in ranks)
     metrics = {
         "model_num_params": num_params,
@@ -149,6 +159,8 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         **distributed.rank_metrics(ranks),
     }
     tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": out.peak.breakdown_tag}
+    if method:
+        tags["prediction_method"] = method
     if spec.name.startswith("paged") and not on_cuda:
         tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
     return {

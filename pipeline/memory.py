@@ -155,6 +155,77 @@ class _CpuTensorPeak(TorchDispatchMode):
         return out
 
 
+class KindPeak(TorchDispatchMode):
+    """Live tensor storages by kind (params, grads, optimizer, activations, other), and the kinds at the peak.
+
+    A lighter MemTracker for simulated steps (pipeline.plan): its cost does not grow with the number of
+    modules. Weights and buffers count as params; a storage saved for backward becomes an activation; one
+    that lands in a parameter's `.grad` a gradient; one kept in `optimizer.state` optimizer state (see
+    `file_state`); everything else torch makes is other (temporaries).
+    """
+
+    def __init__(self, model: torch.nn.Module, inputs=()):
+        super().__init__()
+        self.current = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
+        self.at_peak = dict(self.current)
+        self.peak = 0
+        self._kind = WeakIdKeyDictionary()  # storage -> [kind, bytes]
+        self.model = model
+        self.track([*model.parameters(), *model.buffers()], "params")
+        self.track([p.grad for p in model.parameters() if p.grad is not None], "grads")
+        self.track(inputs, "other")
+
+    def track(self, tensors, kind: str) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for leaf in storage_leaves(t):
+                storage = leaf.untyped_storage()
+                entry = self._kind.get(storage)
+                if entry is None:
+                    entry = self._kind[storage] = [kind, storage.nbytes()]
+                    weakref.finalize(storage, self._release, entry)
+                    self.current[kind] += entry[1]
+                elif entry[0] != kind and (entry[0] == "other" or kind == "optimizer"):
+                    self.current[entry[0]] -= entry[1]
+                    entry[0] = kind
+                    self.current[kind] += entry[1]
+        total = sum(self.current.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.current)
+
+    def _release(self, entry) -> None:
+        self.current[entry[0]] -= entry[1]
+
+    def file_state(self, optimizer) -> None:
+        self.track([v for state in optimizer.state.values() for v in tree_leaves(state)], "optimizer")
+
+    def __enter__(self):
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved.__enter__()
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(lambda p: self.track([p.grad], "grads"))
+            for p in self.model.parameters()
+            if p.requires_grad
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._saved.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def _pack(self, t):
+        self.track([t], "activations")
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(tree_leaves(out), "other")
+        return out
+
+
 class PeakMemory:
     """Peak device memory over a ``with`` block.
 

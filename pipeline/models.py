@@ -61,3 +61,14 @@ def load_model(model_cfg: DictConfig, num_labels: int):
 
 def vocab_size(model) -> int:
     return model.get_input_embeddings().num_embeddings
+
+
+def model_config(model_cfg: DictConfig, num_labels: int):
+    """The transformers config a job's model is built from, read without any weights (plan mode)."""
+    from transformers import AutoConfig
+
+    if model_cfg.architecture is None:  # a packaged or hub model: its own config file
+        source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
+        return AutoConfig.from_pretrained(source, num_labels=num_labels)
+    arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
+    return AutoConfig.for_model(**arch, num_labels=num_labels)

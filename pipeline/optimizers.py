@@ -84,6 +84,9 @@ class OptimizerSpec:
     # what its step allocates at once, as (times the largest weight, times all weights): e.g. AdamW's
     # per-tensor step makes sqrt(exp_avg_sq) and its quotient for one weight at a time (pipeline.predict)
     step_temporaries: tuple[float, float] = (0.0, 0.0)
+    step_in_fp32: bool = (
+        False  # the step's temporaries are fp32 whatever the weights' dtype (torchao upcasts)
+    )
 
     def variant(self, backend: str) -> str | None:
         """How the optimizer a backend builds differs from `build`'s (the Trainer's own `optim=` path)."""
@@ -434,6 +437,7 @@ def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> Opti
         requires=("torchao",),
         compiles_step=True,
         step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
+        step_in_fp32=True,
     )
 
 

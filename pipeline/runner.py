@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,8 @@ SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (
 def run_name(cfg: DictConfig) -> str:
     budget = cfg.memory_budget_mb
     what = f"bs{cfg.batch_size}" if not cfg.find_batch_size else f"fit{budget}MB" if budget else "fit-device"
+    if cfg.get("plan"):
+        what = f"plan-bs{cfg.batch_size}" + (f"-{cfg.device_memory}" if cfg.device_memory else "")
     name = f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if nproc != 1:  # a multi-process job: its ranks and sharding
@@ -53,9 +56,12 @@ def job_params(cfg: DictConfig) -> dict:
         "precision": cfg.train.precision,
         "padding": cfg.train.padding,
         "group_by_length": cfg.train.group_by_length,
+        "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "memory_budget_mb": cfg.memory_budget_mb,
         "memory_track_steps": cfg.memory_track_steps,
         "find_batch_size": cfg.find_batch_size,
+        "plan": cfg.plan,
+        "device_memory": cfg.device_memory,
         "world_size": cfg.launcher.nproc_per_job,
         "sharding": cfg.train.sharding,
     }
@@ -122,6 +128,16 @@ def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict)
     return Failure("exception", f"job process exited with {returncode} and no error report")
 
 
+def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
+    """A plan job's record, made here: it loads no weights and trains nothing."""
+    from pipeline import plan
+
+    try:
+        return None, plan.plan_result(cfg)
+    except Exception as err:
+        return Failure("exception", f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}"), None
+
+
 def config_hash(cfg: DictConfig) -> str:
     """What makes two jobs the same point: the resolved config, less where results go and `force`."""
     point = OmegaConf.to_container(cfg, resolve=True)
@@ -130,6 +146,11 @@ def config_hash(cfg: DictConfig) -> str:
     # keys added later count only when set, so points recorded before them are still recognised
     if point["train"].get("sharding") == "none":
         del point["train"]["sharding"]
+    if point["train"].get("gradient_checkpointing") is False:
+        del point["train"]["gradient_checkpointing"]
+    for key, unset in (("plan", False), ("device_memory", None)):
+        if point.get(key, unset) == unset:
+            point.pop(key, None)
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if isinstance(nproc, int) and nproc > 1:  # the number of ranks changes the result (global batch)
         point["world_size"] = cfg.launcher.nproc_per_job
@@ -208,10 +229,13 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         tracker.log(run_id, params=job_params(cfg))
         save_config(cfg, job_dir)
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
-        if failure is None:
+        result = None
+        if failure is None and cfg.plan:  # shapes only, no weights: in this process, in seconds
+            failure, result = plan_in_process(cfg)
+        elif failure is None:
             failure = run_job_process(cfg, job_dir, pool_dir, ranks)
         if failure is None:
-            result = json.loads((job_dir / RESULT_FILE).read_text())
+            result = result or json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
             return Outcome(name, "FINISHED", result["metrics"].get("eval_f1"))

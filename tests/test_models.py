@@ -29,6 +29,35 @@ def test_built_architecture_has_the_published_parameter_count(name):
         assert sum(p.numel() for p in model.base_model.parameters()) == base
 
 
+# Published parameter counts of decoders (the causal LM, as on their model cards), their hidden size and whether
+# the LM head is tied to the input embeddings (then the classification variant has no weight less).
+DECODERS = {
+    # name: (causal LM, hidden size, tied)
+    "qwen2.5-0.5b": (494_032_768, 896, True),  # Qwen2ForCausalLM
+    "llama-3.2-1b": (1_235_814_400, 2048, True),
+    "llama-3.1-8b": (8_030_261_248, 4096, False),
+    "mistral-7b": (7_241_732_096, 4096, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_decoder_has_the_published_parameter_count(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = compose_cfg(f"model={name}")
+    published, hidden, tied = DECODERS[name]
+    arch = OmegaConf.to_container(cfg.model.architecture, resolve=True)
+    with torch.device("meta"):  # shapes only: an 8B model in no memory and well under a second
+        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**arch))
+        classifier = models.load_model(cfg.model, num_labels=2)  # the pipeline's path
+    assert sum(p.numel() for p in causal_lm.parameters()) == published
+    lm_head = 0 if tied else cfg.model.architecture.vocab_size * hidden
+    assert causal_lm.config.tie_word_embeddings is tied
+    # the LM head goes (an untied one is a weight of its own), a `score` layer hidden x 2 without bias comes
+    assert sum(p.numel() for p in classifier.parameters()) == published - lm_head + hidden * 2
+    assert tuple(classifier.score.weight.shape) == (2, hidden) and classifier.score.bias is None
+
+
 def test_packaged_minilm_is_the_real_pretrained_model():
     model = models.load_model(OmegaConf.load("conf/model/minilm.yaml"), num_labels=2)
     assert sum(p.numel() for n, p in model.named_parameters() if not n.startswith("classifier")) == 22_713_216

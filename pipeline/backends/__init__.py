@@ -70,6 +70,30 @@ def training_memory(cfg, spec, device, model):
     )
 
 
+# train.gradient_checkpointing, alike on both backends: transformers' activation checkpointing of every layer
+# (each layer's activations recomputed in backward) with non-reentrant torch.utils.checkpoint. use_reentrant=False
+# is transformers' own default in 5.x; it is passed explicitly so that both backends run the same whatever the
+# version (torch recommends it: the reentrant variant needs an input that requires grad).
+CHECKPOINTING_KWARGS = {"use_reentrant": False}
+
+
+def checkpointing_name(training_args_cls) -> str:
+    """transformers' name of the option: `activation_checkpointing` (newer 5.x releases, where
+    `gradient_checkpointing` is its deprecated alias) or `gradient_checkpointing` (older ones)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(training_args_cls)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+def enable_checkpointing(model) -> None:
+    """Turn on activation checkpointing as the Trainer does with TrainingArguments(<name>=True)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(CHECKPOINTING_KWARGS))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINTING_KWARGS))
+
+
 def optimizer_step_mode(spec, device):
     """A context for the training loop: an optimizer whose step torch.compile would compile runs it eagerly
     where `spec.compiled_on` says it does not compile (CPU); nothing changes otherwise."""

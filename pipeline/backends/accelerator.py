@@ -19,6 +19,7 @@ from pipeline.backends import (
     NonFiniteLoss,
     TrainOutput,
     classification_metrics,
+    enable_checkpointing,
     optimizer_step_mode,
     training_memory,
 )
@@ -73,6 +74,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         sampler = RandomSampler(splits.train, generator=generator)
     train_loader = DataLoader(splits.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
     eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
+        enable_checkpointing(model)
     if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
         model = accelerator.prepare(model)
     optimizer = spec.build(model, cfg)

@@ -10,8 +10,10 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from pipeline.backends import (
+    CHECKPOINTING_KWARGS,
     NonFiniteLoss,
     TrainOutput,
+    checkpointing_name,
     classification_metrics,
     optimizer_step_mode,
     training_memory,
@@ -28,6 +30,7 @@ class StopOnNonFiniteLoss(TrainerCallback):
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
     optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
+    checkpointing = checkpointing_name(TrainingArguments)  # the Trainer enables it on the model at train()
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
@@ -52,6 +55,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         bf16=cfg.train.precision == "bf16",
         fp16=cfg.train.precision == "fp16",
         train_sampling_strategy="group_by_length" if cfg.train.group_by_length else "random",
+        **{
+            checkpointing: cfg.train.gradient_checkpointing,
+            f"{checkpointing}_kwargs": dict(CHECKPOINTING_KWARGS),
+        },
         **optim_args,
     )
     trainer = Trainer(

@@ -82,6 +82,30 @@ FIT_COLUMNS = {
     "state [MB]": "optimizer_state_mb",
 }
 
+# the plan table (plan=true jobs: predicted, nothing trained) <- MLflow metric
+PLAN_KEYS = [
+    "model",
+    "precision",
+    "gradient_checkpointing",
+    "max_length",
+    "batch_size",
+    "device_memory",
+    "optim",
+]
+PLAN_COLUMNS = {
+    "weights [MB]": "predicted_peak_params_mb",
+    "gradients [MB]": "predicted_peak_grads_mb",
+    "optimizer state [MB]": "predicted_peak_optimizer_mb",
+    "activations [MB]": "predicted_peak_activations_mb",
+    "other [MB]": "predicted_peak_other_mb",
+    "predicted peak [MB]": "predicted_peak_mb",
+    "budget [MB]": "budget_mb",
+    "fits": "fits",
+    "largest batch [samples]": "predicted_max_batch_size",
+    "accelerate estimate [MB]": "accelerate_estimate_mb",
+    "18 bytes/param [MB]": "bytes_rule_mb",
+}
+
 FAILURE_LABELS = {
     "oom": "does not fit (out of memory)",
     "nan_loss": "loss became NaN/inf",

@@ -34,7 +34,10 @@ from pipeline.report.tables import (
     fit_table,
     format_table,
     is_fit_job,
+    is_plan_job,
     pareto_front,
+    plan_display,
+    plan_table,
     point_columns,
 )
 
@@ -77,8 +80,9 @@ def write_report(
     history: pd.DataFrame,
     baseline: str = BASELINE,
     fits: pd.DataFrame | None = None,
+    plans: pd.DataFrame | None = None,
 ) -> None:
-    """report.md, report.html, runs.csv, comparison.csv (fits.csv) and the PNG plots, into `out`."""
+    """report.md, report.html, runs.csv, comparison.csv (fits.csv, plan.csv) and the PNG plots, into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     jobs.to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "comparison.csv", index=False)
@@ -86,6 +90,10 @@ def write_report(
     (out / "fits.csv").unlink(missing_ok=True)
     if len(fits):
         fits.to_csv(out / "fits.csv", index=False)
+    plans = pd.DataFrame() if plans is None else plans
+    (out / "plan.csv").unlink(missing_ok=True)
+    if len(plans):
+        plans.to_csv(out / "plan.csv", index=False)
     for stale in PLOTS:
         (out / stale).unlink(missing_ok=True)
     if not table.empty:
@@ -111,8 +119,15 @@ def write_report(
         " / ".join(f"{_fmt(b)} MB" for b in fits["budget [MB]"].unique()) if len(fits) else "the budget"
     )
     fit_note = "(find_batch_size=true; every text padded to max_length; MB = 2^20 bytes)"
-    md = [f"# {title}", "", *[f"- {line}" for line in about], "", "## Comparison", ""]
-    md += [_markdown(shown) if len(shown) else "No finished training jobs.", ""]
+    plan_title = "Plan: a training step's memory, predicted"
+    plan_note = (
+        "(plan=true: the step simulated on fake tensors, no weights, nothing trained; the parts at the "
+        "predicted peak; fits = predicted peak within the budget; MB = 2^20 bytes)"
+    )
+    md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
+    if len(plans):
+        md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
+    md += ["## Comparison", "", _markdown(shown) if len(shown) else "No finished training jobs.", ""]
     if len(fits):
         md += [f"## {fit_title}", "", fit_note, "", _markdown(_plain(fits)), ""]
     md += ["## Failed jobs", ""]
@@ -153,6 +168,7 @@ figcaption {{ font-size: 13px; color: #555; }}
 .wide {{ overflow-x: auto; }}  /* many columns: the table scrolls, the page does not */
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
+{f"<h2>{plan_title}</h2><p>{plan_note}</p>{table_html(plan_display(plans))}" if len(plans) else ""}
 <h2>Comparison</h2><div class="wide">{table_html(shown, "No finished training jobs.")}</div>
 {f"<h2>{html.escape(fit_title)}</h2><p>{fit_note}</p>{table_html(_plain(fits))}" if len(fits) else ""}
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
@@ -167,6 +183,13 @@ figcaption {{ font-size: 13px; color: #555; }}
 def console_text(out: Path, table: pd.DataFrame) -> str:
     """What a sweep and `make report` print: the short table, and the largest batches when searched."""
     text = console_table(table) if len(table) else "no finished training jobs"
+    if (out / "plan.csv").exists():
+        plans = pd.read_csv(out / "plan.csv")
+        text = (
+            ("" if len(table) else "plan:\n")
+            + plan_display(plans).to_string(index=False)
+            + ("\n\n" + text if len(table) else "")
+        )
     if (out / "fits.csv").exists():
         fits = pd.read_csv(out / "fits.csv")
         text += "\n\nlargest batch that fits:\n" + _plain(fits).to_string(index=False)
@@ -187,11 +210,12 @@ def build(
     raw = search_jobs(uri, parents, experiment)
     names = {} if parents is None else parents.set_index("run_id")["tags.mlflow.runName"].to_dict()
     jobs = job_table(raw, names)
-    table = compare(jobs[~is_fit_job(jobs)], baseline)
+    table = compare(jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)], baseline)
     name = experiment if parents is None else "+".join(names.values())
     out = Path(out) if out else Path(root) / name
     title = f"Optimizer comparison: {name}"
     about = _about(uri, parents, jobs, baseline)
     history = loss_history(uri, jobs)
-    write_report(out, title, about, jobs, table, history, baseline, fit_table(jobs, baseline))
+    fits, plans = fit_table(jobs, baseline), plan_table(jobs, baseline)
+    write_report(out, title, about, jobs, table, history, baseline, fits, plans)
     return out, table

@@ -16,6 +16,8 @@ from pipeline.report.columns import (
     GROUP,
     KEY_LABELS,
     OTHER_SETTINGS,
+    PLAN_COLUMNS,
+    PLAN_KEYS,
     SEEDS,
 )
 
@@ -123,6 +125,30 @@ def fit_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     return table.rename(columns=labels)
 
 
+def is_plan_job(jobs: pd.DataFrame) -> pd.Series:
+    """Jobs run with plan=true: they predict a training step's memory instead of training."""
+    column = "predicted_peak_params_mb"
+    return jobs[column].notna() if column in jobs else pd.Series(False, index=jobs.index)
+
+
+def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
+    """The plan: a training step's predicted parts and peak per optimizer x model x precision (x batch,
+    checkpointing, device), whether it fits, the largest batch that does, beside the rules of thumb."""
+    done = jobs[is_plan_job(jobs) & (jobs.status == "FINISHED")].reindex(
+        columns=list(dict.fromkeys([*PLAN_KEYS, *PLAN_COLUMNS.values()]))
+    )
+    if done.empty:
+        return pd.DataFrame()
+    values = done[list(PLAN_COLUMNS.values())].astype(float).set_axis(list(PLAN_COLUMNS), axis=1)
+    values["fits"] = values["fits"].map({1.0: "yes", 0.0: "no"})
+    keys = [k for k in PLAN_KEYS if done[k].notna().any()]
+    table = pd.concat([done[keys], values], axis=1).dropna(axis=1, how="all")
+    table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    table = table.sort_values(keys, ignore_index=True)
+    table["optim"] = table.optim.astype(str)
+    return table.rename(columns={**KEY_LABELS, "gradient_checkpointing": "checkpointing"})
+
+
 def console_table(table: pd.DataFrame) -> str:
     """The short table printed at the end of a sweep."""
     return format_table(table, [c for c in CONSOLE if c in table]).to_string(index=False)
@@ -130,3 +156,12 @@ def console_table(table: pd.DataFrame) -> str:
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.map(lambda v: _fmt(v) if isinstance(v, float) else v)
+
+
+def _readable(value) -> str:
+    """Large MB figures as whole numbers with thousands separators (143,210), small ones to 4 digits."""
+    return "" if pd.isna(value) else f"{value:,.0f}" if abs(value) >= 1000 else _fmt(value)
+
+
+def plan_display(plans: pd.DataFrame) -> pd.DataFrame:
+    return plans.map(lambda v: _readable(v) if isinstance(v, float) else v)

@@ -1,0 +1,118 @@
+"""Plan before you train (`plan=true`): a training step simulated on fake tensors, its parts and peak, the
+largest batch that fits, the report's plan table, and a sample of the accuracy matrix (`make plan-accuracy`)."""
+
+import pytest
+
+from pipeline import MB, models, optimizers, plan
+from tests.conftest import compose_cfg, run_cli, sweep_runs
+
+PARTS = ["params", "grads", "optimizer", "activations", "other"]
+
+
+@pytest.fixture(scope="module")
+def plan_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    args = [
+        "-m",
+        "plan=true",
+        "model=tiny,llama-tiny",
+        "optim=adamw,adafactor,adamw_8bit",
+        "memory_budget_mb=60",
+    ]
+    proc = run_cli(tmp, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, proc
+
+
+def test_plan_jobs_record_the_parts_the_peak_and_the_largest_batch(plan_sweep):
+    tmp, proc = plan_sweep
+    runs = sweep_runs(tmp)[1]
+    assert len(runs) == 6
+    for run in runs:
+        m, tags = run.data.metrics, run.data.tags
+        assert run.info.status == "FINISHED" and tags["mode"] == "plan"
+        parts = sum(m[f"predicted_peak_{k}_mb"] for k in PARTS)
+        assert parts == pytest.approx(m["predicted_peak_mb"], rel=1e-9)
+        assert m["fits"] == float(m["predicted_peak_mb"] <= 60) and m["budget_mb"] == 60
+        # (the estimate also counts Python-int `step` entries, which are no tensors)
+        assert m["predicted_peak_optimizer_mb"] == pytest.approx(m["estimated_optimizer_state_mb"], rel=0.01)
+        assert "train_loss" not in m and "eval_f1" not in m  # nothing trained
+    by = {(r.data.params["model"], r.data.params["optim"]): r.data.metrics for r in runs}
+    for model in ("tiny", "llama-tiny"):  # less state, a larger batch
+        assert (
+            by[model, "adafactor"]["predicted_max_batch_size"]
+            > by[model, "adamw"]["predicted_max_batch_size"]
+        )
+    assert "plan:" in proc.stdout and "largest batch [samples]" in proc.stdout
+    (plan_csv,) = tmp.glob("report/*/plan.csv")
+    assert len(plan_csv.read_text().splitlines()) == 7
+
+
+def test_the_largest_batch_is_the_last_that_fits():
+    """Checked against the simulation itself: n fits the budget and n + 1 does not."""
+    cfg = compose_cfg("model=tiny", "optim=adamw")
+    spec = optimizers.get("adamw")
+    config = models.model_config(cfg.model, num_labels=2)
+    found = plan.simulate(config, spec, cfg, 16, 64)
+    for budget in (24.0, 30.0, 60.0):
+        n = plan.largest_batch(found, 64, "fp32", budget, start=16)
+
+        def peak(batch):
+            return max(plan.simulate(config, spec, cfg, batch, 64)["peak"], found["step_peak"])
+
+        assert n > 0 and peak(n) <= budget < peak(n + 1), budget
+
+
+def test_a_cuda_target_runs_torch_adamw_foreach():
+    """On CUDA torch's AdamW defaults to its multi-tensor loop: temporaries of one copy of all weights at once,
+    where the per-tensor loop on CPU makes two of one weight at a time."""
+    cfg = compose_cfg("model=tiny", "optim=adamw")
+    spec, config = optimizers.get("adamw"), models.model_config(cfg.model, 2)
+    cpu = plan.simulate(config, spec, cfg, 16, 64)
+    cuda = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
+    sizes = [p.numel() * 4 / MB for p in cpu["model"].parameters()]
+    assert cpu["parts"]["other"] == pytest.approx(2 * max(sizes), rel=0.02)
+    assert cuda["parts"]["other"] - plan.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
+
+
+def test_bad_plan_values_are_one_line():
+    from pipeline.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"device_memory='h900' is invalid: allowed values are t4, "):
+        validate(compose_cfg("plan=true", "device_memory=h900"))
+    with pytest.raises(ConfigError, match="plan=true is invalid with find_batch_size=true"):
+        validate(compose_cfg("plan=true", "find_batch_size=true", "memory_budget_mb=100"))
+
+
+# a sample of `make plan-accuracy` (the whole matrix is too long for CI): one real job each, in process
+SAMPLE = [
+    ("tiny", "adamw", "fp32", False),
+    ("llama-tiny", "adafactor", "bf16", True),
+    ("qwen-tiny", "adamw_8bit", "bf16_pure", False),
+    ("gpt2-tiny", "sgd", "fp32", True),
+    ("tiny", "adamw_torchao_4bit", "bf16_pure", False),
+    ("llama-tiny", "schedule_free_adamw", "bf16", False),
+]
+
+
+@pytest.mark.parametrize(("model", "optim", "precision", "checkpointing"), SAMPLE)
+def test_the_plan_predicts_the_measured_peak_within_5_percent(
+    model, optim, precision, checkpointing, tmp_path
+):
+    from bench.plan_accuracy import case
+
+    row = case(model, optim, precision, checkpointing, steps=3, work=tmp_path)
+    assert row["status"] == "ok", row["status"]
+    assert abs(row["error [%]"]) <= 5, row
+
+
+@pytest.mark.slow
+def test_an_8b_decoder_is_planned_on_this_machine(tmp_path):
+    args = ["-m", "plan=true", "model=llama-3.1-8b", "optim=adamw,adafactor", "train.precision=bf16"]
+    proc = run_cli(tmp_path, *args, "device_memory=h100-80gb")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by = {r.data.params["optim"]: r.data.metrics for r in sweep_runs(tmp_path)[1]}
+    assert by["adamw"]["model_num_params"] == 7_504_932_864
+    assert by["adamw"]["predicted_peak_params_mb"] == pytest.approx(7_504_932_864 * 4 / MB, rel=1e-4)
+    assert by["adamw"]["fits"] == 0 and by["adafactor"]["fits"] == 1
+    assert by["adafactor"]["predicted_max_batch_size"] > 0
