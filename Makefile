@@ -14,7 +14,7 @@ SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
 SERVER_ARTIFACTS ?= $(abspath outputs/mlflow-server-artifacts)
 SERVER_HOST ?= 0.0.0.0
 
-.PHONY: install run report test test-slow test-gpu ui server lint clean bench bench-full
+.PHONY: install run report test test-slow test-gpu ui server lint clean bench bench-full plan-accuracy
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ test-slow: install
 # in outputs/gpu-check/<time>/summary.md and in docs/gpu.md); each step runs even when one before it failed.
 test-gpu: install
 	$(BIN)/python -m bench.gpu_check
+
+# the plan's predicted peak against the measured one, every model family x optimizer x precision x
+# checkpointing (a few CPU steps each; about 25 minutes on 2 cores) -> docs/plan-accuracy.md
+plan-accuracy: install
+	$(BIN)/python -m bench.plan_accuracy
 
 # the pipeline's own cost against a bare loop, job overhead, MLflow share, parallel jobs -> bench/RESULTS.md
 bench: install

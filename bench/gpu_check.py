@@ -2,8 +2,9 @@
 
 1. the gpu-marked tests (`pytest -m gpu`), results read from their JUnit XML;
 2. a short real sweep (both backends, five optimizers, model=minilm) into its own store;
-3. the comparison report of that sweep;
-4. one summary table (what passed, what was skipped and why, the sweep's figures), printed, written to
+3. the plan's predicted peak against the measured one on the device (bench/plan_accuracy.py, a subset);
+4. the comparison report of that sweep;
+5. one summary table (what passed, what was skipped and why, the sweep's figures), printed, written to
    OUT/summary.md and into docs/gpu.md between the gpu-check markers.
 
 A failing step never stops the next one; the exit code is 1 when any step failed. Job processes are counted
@@ -31,6 +32,9 @@ SWEEP = (
     "backend=trainer,accelerator optim=adamw,adafactor,adamw_8bit,paged_adamw_8bit,adamw_torchao_8bit "
     "model=minilm train.max_steps=20"
 )
+# the plan's accuracy on the device: one process, jobs in it (bench/plan_accuracy.py)
+ACCURACY = ["--models", "minilm,distilbert-base-cased,qwen2.5-0.5b", "--optims", "adamw,adafactor,adamw_8bit"]
+ACCURACY += ["--precisions", "fp32,bf16", "--checkpointing", "false"]
 # job processes the gpu-marked tests start on one GPU (tests/test_gpu.py, tests/test_scale.py), and on two
 TEST_JOBS = {"one GPU": 6 + 3 + 2 + 2, "two GPUs": 6 + 3 + 2 + 2 + 3}
 JOB_START_S = 8.2  # fixed overhead of one job (bench/RESULTS.md (b): start-up, imports, loading, MLflow)
@@ -126,6 +130,18 @@ def markdown(rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
 
 
+def accuracy_summary(path: Path) -> list[str]:
+    """The plan-accuracy page's verdict and worst error per model family, for the summary."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("**")), None)
+    end = next((i for i, line in enumerate(lines) if line.startswith("| model | optim")), len(lines))
+    return ["Plan against measured peak (full table: `plan-accuracy.md` in the work folder):", ""] + (
+        lines[start:end] if start is not None else []
+    )
+
+
 def device_line() -> str:
     try:
         import torch
@@ -145,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--pytest-args", default="", help="extra pytest arguments, e.g. '-k known_allocation'"
     )
+    parser.add_argument("--accuracy", default=shlex.join(ACCURACY), help="bench.plan_accuracy's arguments")
     parser.add_argument("--docs", type=Path, default=DOCS, help="page whose gpu-check section is rewritten")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs page alone")
     parser.add_argument("--timeout", type=float, default=420, help="seconds for each step (default: 420)")
@@ -176,6 +193,13 @@ def main(argv=None) -> int:
         [python, "-m", "pipeline", "-m", *sweep, f"outputs_dir={out}"], out / "sweep.log", args.timeout
     )
     steps.append((f"sweep `{args.sweep}`", code == 0, seconds, f"exit {code}"))
+    accuracy = out / "plan-accuracy.md"  # the plan against the device's measured peaks
+    code, seconds = run(
+        [python, "-m", "bench.plan_accuracy", *shlex.split(args.accuracy), "--out", str(accuracy)],
+        out / "plan.log",
+        args.timeout,
+    )
+    steps.append(("plan accuracy (`bench.plan_accuracy`)", code == 0, seconds, f"exit {code}"))
     report = [python, "-m", "pipeline.report", "--tracking-uri", f"sqlite:///{out / 'mlflow.db'}"]
     code, seconds = run(
         [*report, "--whole-experiment", "--out", str(out / "report")], out / "report.log", 300
@@ -204,6 +228,7 @@ def main(argv=None) -> int:
         "",
         *markdown(jobs),
         "",
+        *accuracy_summary(accuracy),
         f"**{'all steps passed' if not failed else f'{len(failed)} failed'}**",
     ]
     text = "\n".join(summary)

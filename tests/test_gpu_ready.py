@@ -207,6 +207,7 @@ def test_the_gpu_check_always_reaches_its_report_and_summary(tmp_path):
     sweep += "data.max_eval_samples=32"
     command = [sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path / "check"), "--docs", str(docs)]
     command += ["--sweep", sweep, "--pytest-args", "-k known_allocation"]
+    command += ["--accuracy", "--models tiny --optims adamw --precisions fp32 --checkpointing false"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "check" / "summary.md").read_text()
@@ -215,6 +216,8 @@ def test_the_gpu_check_always_reaches_its_report_and_summary(tmp_path):
     assert "needs a CUDA device" in summary
     assert summary.count("| accelerator | ") == 2  # the two sweep jobs, with their figures
     assert "| report (`python -m pipeline.report`) | ok (exit 0) |" in summary
+    assert "| plan accuracy (`bench.plan_accuracy`) | ok (exit 0) |" in summary
+    assert "**1 of 1 runnable combinations within ±5%**" in summary
     assert (tmp_path / "check" / "report" / "report.md").exists()
     page = docs.read_text()
     assert "Not yet run." not in page and summary.strip() in page and page.endswith(f"{END}\nafter\n")

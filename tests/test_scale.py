@@ -67,7 +67,7 @@ def test_gpu_pool_takes_whole_sets_and_frees_them_on_exit(tmp_path):
         rest[1].close()
     with other.take(3) as everything:
         assert sorted(everything) == ["0", "1", "2"]
-    with pytest.raises(RuntimeError, match="a job needs 4 GPUs and only 3 are visible"):
+    with pytest.raises(RuntimeError, match="it needs 4 GPUs and 3 are visible"):
         with pool.take(4):
             pass
 
