@@ -236,7 +236,8 @@ def largest_batch(
     Growing by 4x from `start` (the configured batch size) brackets the answer; then the secant between the
     bracket's ends, which cannot overshoot it (the forward/backward peak is convex in the batch size: the
     larger of the gradients' plateau at the end of backward and the activations' line at its start), or the
-    midpoint when the secant stalls. Every size costs one simulated forward and backward.
+    midpoint when the secant stalls; when a third size lies on the bracket's line, the line gives the answer.
+    Every size costs one simulated forward and backward (cached: a sweep's plans of one model share them).
     """
     model, mode = prediction["model"], prediction["mode"]
     fixed = prediction["state"] + (CUBLAS_WORKSPACES_MB if cuda else 0.0)
@@ -256,6 +257,10 @@ def largest_batch(
         n *= 4
     if high is None:
         return low
+    below = [n for n in peaks if n < low]  # a third point on the same line: the bracket is on it, no search
+    if below and _collinear((max(below), peaks[max(below)]), (low, peaks[low]), (high, peaks[high])):
+        room = budget - fixed - peaks[low]
+        return min(high - 1, low + math.floor(room * (high - low) / (peaks[high] - peaks[low])))
     while high - low > 1:
         slope = (peaks[high] - peaks[low]) / (high - low)
         guess = low + math.floor((budget - fixed - peaks[low]) / slope) if slope > 0 else low
@@ -264,6 +269,12 @@ def largest_batch(
         n = low + 1 if guess <= low else guess if guess < high else (low + high) // 2
         low, high = (n, high) if fits(n) else (low, n)
     return low
+
+
+def _collinear(a, b, c, tolerance: float = 1e-9) -> bool:
+    """Whether three (batch, MB) points lie on one line (the peak then grows linearly between them)."""
+    left, right = (b[1] - a[1]) / (b[0] - a[0]), (c[1] - b[1]) / (c[0] - b[0])
+    return abs(left - right) <= tolerance * max(abs(left), abs(right), 1e-12)
 
 
 def budget_mb(cfg) -> float | None:
