@@ -155,15 +155,17 @@ def main(argv=None) -> int:
         )
     )
     start, rows = time.perf_counter(), []
+    command = "python -m bench.plan_accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         for i, (model, optim, precision, ckpt) in enumerate(grid, 1):
             row = case(model, optim, precision, ckpt, args.steps, Path(work))
             rows.append(row)
             shown = f"{row['error [%]']:+.2f}%" if row.get("error [%]") is not None else row["status"]
             print(f"[{i}/{len(grid)}] {model} {optim} {precision} ckpt={ckpt}: {shown}", flush=True)
-    command = "python -m bench.plan_accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, command.strip(), time.perf_counter() - start))
+            # written after every row: a long matrix that stops early keeps what it measured
+            done = "" if i == len(grid) else f" (stopped early? {i} of {len(grid)} rows so far)"
+            args.out.write_text(markdown(rows, command.strip() + done, time.perf_counter() - start))
     print(f"[plan-accuracy] {args.out}")
     return 0
 
