@@ -71,9 +71,7 @@ def _fake_model(config_json: str, attn: str | None, precision: str, checkpointin
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     mode = fake_mode()
     kwargs = {"attn_implementation": attn} if attn else {}
-    if (
-        precision == "bf16_pure"
-    ):  # bf16 weights, no fp32 copy (built so: fake tensors cannot be cast in place)
+    if precision == "bf16_pure":  # bf16 weights, no fp32 copy (built so: fake tensors cannot be cast)
         kwargs["dtype"] = torch.bfloat16
     with mode:
         model = AutoModelForSequenceClassification.from_config(config, **kwargs)
