@@ -123,8 +123,14 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
     speed, speed_tags = throughput(cfg, timer, out.train_runtime_s, ranks, num_params, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
-        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
+        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak); under
+        # ZeRO-1 the other ranks' shards are not on this one (the simulation steps the whole optimizer)
         paged_mb = paged.mb if on_cuda else 0.0
+        if cfg.train.sharding == "zero1":
+            variant = spec.variant(cfg.backend.name)
+            paged_mb += (
+                spec.estimate(optimizers.param_infos(model), cfg, variant, model.config).mb - estimate.mb
+            )
         memory.update(
             prediction(
                 cfg,
