@@ -49,7 +49,8 @@ test-gpu: install
 	$(BIN)/python -m bench.gpu_check
 
 # the plan's predicted peak against the measured one, every model family x optimizer x precision x
-# checkpointing (a few CPU steps each; about 25 minutes on 2 cores) -> docs/plan-accuracy.md
+# checkpointing (a few CPU steps each; over an hour on 2 cores: bf16 steps of MiniLM and DistilBERT are slow
+# on CPU) -> docs/plan-accuracy.md
 plan-accuracy: install
 	$(BIN)/python -m bench.plan_accuracy
 

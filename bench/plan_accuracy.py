@@ -7,7 +7,7 @@ its `peak_memory_mb`, beside the errors of `accelerate estimate-memory`'s traini
 18-bytes-per-parameter rule. Writes a Markdown table (default docs/plan-accuracy.md) with the worst |error|
 per model family; a combination that cannot run says why.
 
-    python -m bench.plan_accuracy                       # the whole matrix (about 15 minutes on 2 cores)
+    python -m bench.plan_accuracy                       # the whole matrix (over an hour on 2 CPU cores)
     python -m bench.plan_accuracy --models tiny --optims adamw,sgd --precisions fp32 --out /tmp/t.md
 """
 
