@@ -43,7 +43,7 @@ def load_tokenizer(model_cfg: DictConfig):
 
 
 def load_model(model_cfg: DictConfig, num_labels: int):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     if model_cfg.pretrained:
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
@@ -54,9 +54,7 @@ def load_model(model_cfg: DictConfig, num_labels: int):
                 f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
                 f"cache ({err.__class__.__name__}); set model.pretrained=false to build it with random weights"
             ) from err
-    arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
-    config = AutoConfig.for_model(**arch, num_labels=num_labels)
-    return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForSequenceClassification.from_config(model_config(model_cfg, num_labels))
 
 
 def vocab_size(model) -> int:

@@ -171,13 +171,14 @@ def optimizer_step(model, mode, spec, cfg, cuda: bool) -> tuple[dict[str, float]
 def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
     """The optimizer step's parts from the exact state estimate and the spec's stated temporaries."""
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    trainable = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    sizes = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
+    trainable = [n * size for n, size in sizes]
     per_largest, per_all = spec.step_temporaries
-    temps = trainable
     if spec.step_in_fp32:  # torchao: fp32 temporaries, and one more (the fp32 copy of a 16-bit weight)
-        sizes = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
-        temps = [n * (4 * per_largest + (4 if size < 4 else 0)) / per_largest for n, size in sizes]
-    temporaries = per_largest * max(temps) + per_all * sum(temps)
+        largest = max(4 * n * (per_largest + (size < 4)) for n, size in sizes)
+        temporaries = largest + per_all * 4 * sum(n for n, _ in sizes)
+    else:
+        temporaries = per_largest * max(trainable) + per_all * sum(trainable)
     return {
         "params": weights / MB,
         "grads": sum(trainable) / MB,
@@ -188,8 +189,8 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
 
 
 def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES) -> dict:
-    """The predicted peak and its parts (MB) for one training step, the fitted line of the forward/backward
-    peak against the batch size, and how the optimizer step was found."""
+    """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens, the optimizer
+    step's own peak, the state, how the step was found, and the fake model (for `largest_batch`)."""
     from pipeline import optimizers
 
     precision = cfg.train.precision
@@ -218,7 +219,6 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
         "peak": sum(parts.values()),
         "state": state,
         "step_peak": sum(step.values()) + extra,
-        "fb_peak": sum(fb.values()) + extra,
         "method": method,
         "model": model,
         "mode": mode,

@@ -87,6 +87,11 @@ class Failure:
     def summary(self) -> str:
         return self.text.strip().splitlines()[0]
 
+    @property
+    def line(self) -> str:
+        """`reason: one-line error`, as the sweep's summary prints it."""
+        return f"{self.reason}: {self.summary}"
+
 
 def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> Failure | None:
     """Run the job in fresh process(es); None on success. An exception here (Ctrl-C) kills the job."""
@@ -185,7 +190,7 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
     failure = run_job_process(cfg, job_dir, pool_dir, ranks)
     if failure is not None:
         print(f"[job] rank {ranks['RANK']} failed: {failure.summary}", file=sys.stderr, flush=True)
-        return Outcome(name, "FAILED", reason=f"{failure.reason}: {failure.summary}")
+        return Outcome(name, "FAILED", reason=failure.line)
     return Outcome(name, "FINISHED")
 
 
@@ -246,7 +251,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         tracker.log_artifact(run_id, job_dir / ERROR_FILE)
         tracker.end(run_id, "FAILED")
         print(f"[job] {name} FAILED ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
-        return Outcome(name, "FAILED", reason=f"{failure.reason}: {failure.summary}")
+        return Outcome(name, "FAILED", reason=failure.line)
     except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed), or a store failure
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
         tracker.end(run_id, status)
