@@ -99,9 +99,7 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
         cuda = torch.cuda.is_available()
         names = tuple(tokenizer.model_input_names)
         simulated = plan.simulate(model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names)
-        limit = plan.largest_batch(
-            simulated, cfg.train.max_length, cfg.train.precision, budget, max(1, best), cuda
-        )
+        limit = plan.largest_batch(simulated, budget, cuda)
         metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
     if best:
         at_best = fitting[best]

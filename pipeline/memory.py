@@ -169,6 +169,8 @@ class KindPeak(TorchDispatchMode):
         self.current = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
         self.at_peak = dict(self.current)
         self.peak = 0
+        self.where = None  # a label for the stretch of the step now running (set by `enter`)
+        self.trace: dict[str, list[dict]] = {}  # label -> the kinds after each allocation in that stretch
         self._kind = WeakIdKeyDictionary()  # storage -> [kind, bytes]
         self.model = model
         self.track([*model.parameters(), *model.buffers()], "params")
@@ -190,9 +192,19 @@ class KindPeak(TorchDispatchMode):
                     self.current[entry[0]] -= entry[1]
                     entry[0] = kind
                     self.current[kind] += entry[1]
-        total = sum(self.current.values())
+        self._note(sum(self.current.values()))
+
+    def _note(self, total: int) -> None:
         if total > self.peak:
             self.peak, self.at_peak = total, dict(self.current)
+        if self.where is not None:
+            self.trace[self.where].append(dict(self.current))
+
+    def enter(self, where: str) -> None:
+        """From now on, trace the kinds after each allocation under `where`, starting with what is alive now."""
+        self.where = where
+        self.trace.setdefault(where, [])
+        self._note(sum(self.current.values()))
 
     def _release(self, entry) -> None:
         self.current[entry[0]] -= entry[1]

@@ -13,8 +13,12 @@ exact analytic state and its stated step temporaries instead (tag `plan_method`)
     peak = max(forward/backward peak + optimizer state,  optimizer-step peak)
 
 The forward/backward of step 2 is that of step 1 with the state in place; the optimizer step's peak holds
-the weights, every gradient, the state and the step's temporaries. The forward/backward part is linear in the
-batch size (activations), so the largest batch that fits follows from two batch sizes.
+the weights, every gradient, the state and the step's temporaries.
+
+A plan costs four simulated passes of a small model, whatever the model's size and the batch: the pass is
+simulated at two batch sizes (each allocation's parts are affine in the batch: `Profile`) and, for a deep stack
+of identical layers, at two shallow depths (affine in the depth too: `_stretches`); every other batch size,
+the model's own depth and the largest batch that fits a budget follow exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import functools
 import json
 import math
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -94,10 +99,6 @@ def _autocast(precision: str):
     return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def _parts(tracker) -> dict[str, float]:
-    return {k: tracker.at_peak[k] / MB for k in PART_KEYS}
-
-
 INPUT_NAMES = ("input_ids", "attention_mask")  # what a tokenizer gives at the least
 
 
@@ -111,38 +112,227 @@ def _inputs(mode, batch: int, seq: int, names: tuple[str, ...]):
         return {**inputs, "labels": torch.zeros(batch, dtype=torch.long)}
 
 
-_FORWARD_BACKWARD: dict[tuple, dict[str, float]] = {}  # a sweep's plans share them: no optimizer involved
+_PROFILES: dict[tuple, Profile] = {}  # a sweep's plans of one model share them: no optimizer is involved
 _OPTIMIZER_STEP: dict[tuple, tuple] = {}
+# a stack of identical layers deeper than twice the larger is simulated with this many layers and extrapolated
+# (shallower, simulating every layer costs less)
+SHALLOW = (2, 3)
+TRACED_BATCHES = (2, 3)  # the batch sizes a forward and backward pass is simulated at; any other follows
 
 
-def forward_backward(
-    model, mode, batch: int, seq: int, precision: str, names=INPUT_NAMES
-) -> dict[str, float]:
-    """Parts (MB) at the peak of one forward and backward pass on a batch of `batch` x `seq` tokens (cached
-    per model and shape: a sweep's plans share them, no optimizer is involved)."""
+class Profile:
+    """The parts (MB) after every allocation of one forward and backward pass, as a function of the batch size.
+
+    From TRACED_BATCHES on, the same operations run in the same order at any batch size and each allocation's
+    parts are affine in it, `base + batch * per_sample` (activations and what is made from them grow with the
+    batch, weights and gradients do not): two simulated batch sizes give every other one, and the largest
+    batch that fits a budget, without simulating. A smaller batch (one sample) is simulated itself: its
+    size-1 dimensions make some copies views."""
+
+    def __init__(self, trace_at):
+        """`trace_at(batch)`: the parts (bytes) after every allocation of a pass of that batch size."""
+        (b1, b2), self._trace_at, self._small = TRACED_BATCHES, trace_at, {}
+        x, y = trace_at(b1), trace_at(b2)
+        _check_aligned({"pass": x}, {"pass": y}, f"batch sizes {b1} and {b2}")
+        self.per_sample = (y - x) / (b2 - b1) / MB  # allocations x PART_KEYS
+        self.base = x / MB - b1 * self.per_sample
+
+    def values(self, batch: int) -> np.ndarray:
+        """The parts (MB) after every allocation for `batch` samples."""
+        if batch >= TRACED_BATCHES[0]:
+            return self.base + batch * self.per_sample
+        if batch not in self._small:
+            self._small[batch] = self._trace_at(batch) / MB
+        return self._small[batch]
+
+    def parts(self, batch: int) -> dict[str, float]:
+        """The parts at the peak for `batch` samples."""
+        values = self.values(batch)
+        return dict(zip(PART_KEYS, values[values.sum(axis=1).argmax()].tolist(), strict=True))
+
+    def largest_batch(self, room: float) -> int:
+        """The largest batch whose peak is within `room` MB (0 when none is, MAX_BATCH at most)."""
+        for n in range(1, TRACED_BATCHES[0] + 1):  # up to the first traced batch size, one by one
+            if self.values(n).sum(axis=1).max() > room:
+                return n - 1
+        base, slope = self.base.sum(axis=1), self.per_sample.sum(axis=1)
+        grows = slope > 0
+        if not grows.any():
+            return MAX_BATCH
+        return min(MAX_BATCH, math.floor(((room - base[grows]) / slope[grows]).min() + 1e-9))
+
+
+def _stack(model) -> torch.nn.ModuleList | None:
+    """The model's stack of layers: the module list as long as `config.num_hidden_layers`, all of one class."""
+    depth = model.config.num_hidden_layers
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) == depth
+            and len({type(m) for m in module}) == 1
+        ):
+            return module
+    return None
+
+
+def _shallow(model_config, layers: int):
+    """The same model with only `layers` layers; None when its layers differ (per-layer `layer_types`)."""
+    import copy
+
+    config = copy.deepcopy(model_config)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        if len(set(types)) > 1:
+            return None
+        config.layer_types = types[:layers]
+    config.num_hidden_layers = layers
+    return config
+
+
+def _shallow_pair(model_config) -> list | None:
+    """The model at SHALLOW's two depths, when it is deep enough to be extrapolated from them (else None)."""
+    if model_config.num_hidden_layers <= 2 * SHALLOW[-1]:
+        return None
+    configs = [_shallow(model_config, n) for n in SHALLOW]
+    if None in configs or any(_stack(fake_model(c, "fp32", False)[1]) is None for c in configs):
+        return None
+    return configs
+
+
+def _to_depth(a: np.ndarray, b: np.ndarray, depth: int) -> np.ndarray:
+    """Values at SHALLOW's two depths, extrapolated along their line to `depth`."""
+    (n1, n2) = SHALLOW
+    return a + (depth - n1) / (n2 - n1) * (b - a)
+
+
+@contextlib.contextmanager
+def _stretches(model, tracker):
+    """File the tracker's trace by stretch of a forward and backward pass, relative to the stack of layers:
+    `before` it, the `bottom` and `top` layer's forward, the `head` (the layers above the stack, the loss and
+    the start of backward), the `top` and `bottom` layer's backward, and `after` (what comes below the stack).
+    A stretch runs the same operations at any depth, and what is alive in it grows by a fixed amount per
+    layer. A layer in between never holds the peak: at any moment of its pass, what is alive is a fixed part
+    plus the activations of the layers below it and the gradients of those above, largest at one end of the
+    stack; it is filed as `middle` and left out."""
+    from torch.utils._pytree import tree_leaves
+
+    layers = _stack(model)
+    last = len(layers) - 1
+    backward = []  # set once backward reaches the stack: a checkpointed layer's recomputed forward moves nothing
+
+    def stretch(phase: str, i: int) -> str:
+        return f"{phase} bottom" if i == 0 else f"{phase} top" if i == last else "middle"
+
+    def backward_from(i: int):
+        def hook(grad):
+            backward.append(i)
+            tracker.enter(stretch("backward", i))
+
+        return hook
+
+    def before(module, args, kwargs):
+        if not backward:
+            i = module.plan_index
+            tracker.enter(stretch("forward", i))
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if i == 0 and hidden.requires_grad:  # its gradient: the bottom layer's backward is done
+                hidden.register_hook(lambda grad: tracker.enter("after"))
+
+    def after(module, args, output):
+        if not backward:
+            i = module.plan_index
+            tree_leaves(output)[0].register_hook(backward_from(i))  # its gradient: layer i's backward starts
+            if i == last:
+                tracker.enter("head")
+
+    handles = []
+    for i, layer in enumerate(layers):
+        layer.plan_index = i
+        handles += [
+            layer.register_forward_pre_hook(before, with_kwargs=True),
+            layer.register_forward_hook(after),
+        ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def profile(model_config, precision: str, checkpointing: bool, seq: int, names=INPUT_NAMES) -> Profile:
+    """The forward and backward pass's Profile for sequences of `seq` tokens (cached: a sweep's plans of one
+    model share it). Simulated at TRACED_BATCHES, and, for a deep model, at SHALLOW's depths, each trace then
+    extrapolated to the model's depth: four passes of a 2- or 3-layer model plan an 8B one."""
+    key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names)
+    if key not in _PROFILES:
+        shallow = _shallow_pair(model_config)
+
+        def trace_at(batch: int) -> np.ndarray:
+            if shallow is None:
+                return _trace(model_config, precision, checkpointing, batch, seq, names, stretches=False)[
+                    "pass"
+                ]
+            a, b = (_trace(c, precision, checkpointing, batch, seq, names, stretches=True) for c in shallow)
+            a.pop("middle", None), b.pop("middle", None)
+            _check_aligned(a, b, f"depths {SHALLOW[0]} and {SHALLOW[1]}")
+            depth = model_config.num_hidden_layers
+            return np.concatenate([_to_depth(a[w], b[w], depth) for w in sorted(a)])
+
+        _PROFILES[key] = Profile(trace_at)
+    return _PROFILES[key]
+
+
+def _check_aligned(a: dict, b: dict, between: str) -> None:
+    if a.keys() != b.keys() or any(len(a[w]) != len(b[w]) for w in a):
+        raise RuntimeError(f"plan: the model's forward and backward run different operations at {between}")
+
+
+def _trace(
+    model_config, precision, checkpointing, batch, seq, names, stretches: bool
+) -> dict[str, np.ndarray]:
+    """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch."""
     from pipeline.memory import KindPeak
 
-    key = (model.plan_key, batch, seq, names)
-    if key not in _FORWARD_BACKWARD:
-        inputs = _inputs(mode, batch, seq, names)
-        tracker = KindPeak(model, inputs.values())
-        try:
-            with mode, tracker:
-                with _autocast(precision):
-                    loss = model(**inputs).loss
-                loss.backward()
-            del loss
-            _FORWARD_BACKWARD[key] = _parts(tracker)
-        finally:
-            model.zero_grad(set_to_none=True)  # as the loops do after each step: the next one starts without
-    return _FORWARD_BACKWARD[key]
+    mode, model = fake_model(model_config, precision, checkpointing)
+    inputs = _inputs(mode, batch, seq, names)
+    tracker = KindPeak(model, inputs.values())
+    tracker.enter("before" if stretches else "pass")
+    try:
+        with mode, tracker, _stretches(model, tracker) if stretches else contextlib.nullcontext():
+            with _autocast(precision):
+                loss = model(**inputs).loss
+            loss.backward()
+        del loss
+        return {
+            w: np.array([[parts[k] for k in PART_KEYS] for parts in trace])
+            for w, trace in tracker.trace.items()
+        }
+    finally:
+        model.zero_grad(set_to_none=True)  # as the loops do after each step: the next one starts without
 
 
-def optimizer_step(model, mode, spec, cfg, cuda: bool) -> tuple[dict[str, float] | None, str]:
+def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool) -> tuple[dict | None, str]:
     """Parts (MB) at the peak of two optimizer steps (the first creates the state) with every gradient in
-    place, and how they were found; None when the step cannot run on fake tensors."""
+    place, and how they were found; None when the step cannot run on fake tensors. A deep model's is
+    extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
+    step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
+    amount too."""
+    try:
+        shallow = _shallow_pair(model_config)
+        if shallow is None:
+            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda)
+        else:
+            a, b = (_optimizer_step(c, precision, checkpointing, spec, cfg, cuda) for c in shallow)
+            at_peak = _to_depth(a, b, model_config.num_hidden_layers)
+        return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
+    except Exception as err:  # a kernel that needs real data (bitsandbytes, torchao's compiled step)
+        return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
+
+
+def _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool) -> np.ndarray:
     from pipeline.memory import KindPeak
 
+    mode, model = fake_model(model_config, precision, checkpointing)
     with mode:
         for p in model.parameters():
             if p.requires_grad:
@@ -161,9 +351,7 @@ def optimizer_step(model, mode, spec, cfg, cuda: bool) -> tuple[dict[str, float]
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
                 optimizer.step()
                 tracker.file_state(optimizer)
-        return _parts(tracker), "simulated"
-    except Exception as err:  # a kernel that needs real data (bitsandbytes, torchao's compiled step)
-        return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
+        return np.array([tracker.at_peak[k] for k in PART_KEYS], dtype=float)
     finally:
         model.zero_grad(set_to_none=True)
 
@@ -190,22 +378,23 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
 
 def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES) -> dict:
     """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens, the optimizer
-    step's own peak, the state, how the step was found, and the fake model (for `largest_batch`)."""
+    step's own peak, the state, how the step was found, the fake model and the pass's Profile."""
     from pipeline import optimizers
 
     precision = cfg.train.precision
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
-    mode, model = fake_model(model_config, precision, checkpointing)
+    _, model = fake_model(model_config, precision, checkpointing)
     params = optimizers.param_infos(model)
     state = spec.estimate(params, cfg, spec.variant(cfg.backend.name), model.config).bytes / MB
-    fb = forward_backward(model, mode, batch, seq, precision, names)
+    steps = profile(model_config, precision, checkpointing, seq, names)
+    fb = steps.parts(batch)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
         [spec.name, OmegaConf.to_container(cfg.optim), cfg.train.lr, cfg.train.weight_decay]
     )
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda)
     if key not in _OPTIMIZER_STEP:
-        _OPTIMIZER_STEP[key] = optimizer_step(model, mode, spec, cfg, cuda)
+        _OPTIMIZER_STEP[key] = optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda)
     step, method = _OPTIMIZER_STEP[key]
     if step is None:
         step = analytic_step(model, state * MB, spec)
@@ -221,58 +410,18 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
         "step_peak": sum(step.values()) + extra,
         "method": method,
         "model": model,
-        "mode": mode,
-        "names": names,
+        "profile": steps,
     }
 
 
-def largest_batch(
-    prediction: dict, seq: int, precision: str, budget: float, start: int, cuda: bool = False
-) -> int:
-    """Largest batch whose predicted peak fits `budget` MB (0 when none does).
-
-    Growing by 4x from `start` (the configured batch size) brackets the answer; then the secant between the
-    bracket's ends, which cannot overshoot it (the forward/backward peak is convex in the batch size: the
-    larger of the gradients' plateau at the end of backward and the activations' line at its start), or the
-    midpoint when the secant stalls; when a third size lies on the bracket's line, the line gives the answer.
-    Every size costs one simulated forward and backward (cached: a sweep's plans of one model share them).
-    """
-    model, mode = prediction["model"], prediction["mode"]
-    fixed = prediction["state"] + (CUBLAS_WORKSPACES_MB if cuda else 0.0)
-    peaks: dict[int, float] = {}
-
-    def fits(n: int) -> bool:
-        if n not in peaks:
-            peaks[n] = sum(forward_backward(model, mode, n, seq, precision, prediction["names"]).values())
-        return peaks[n] + fixed <= budget
-
-    if prediction["step_peak"] > budget or not fits(1):
+def largest_batch(prediction: dict, budget: float, cuda: bool = False) -> int:
+    """Largest batch whose predicted peak fits `budget` MB (0 when none does): the forward/backward pass's
+    Profile, with the state (and a CUDA target's workspaces) beside it, at the largest batch that keeps every
+    allocation's total within the budget; the optimizer step does not depend on the batch."""
+    if prediction["step_peak"] > budget:
         return 0
-    low, high = 1, None  # low fits, high does not
-    n = max(1, start)
-    while high is None and n <= MAX_BATCH:
-        low, high = (n, None) if fits(n) else (low, n)
-        n *= 4
-    if high is None:
-        return low
-    below = [n for n in peaks if n < low]  # a third point on the same line: the bracket is on it, no search
-    if below and _collinear((max(below), peaks[max(below)]), (low, peaks[low]), (high, peaks[high])):
-        room = budget - fixed - peaks[low]
-        return min(high - 1, low + math.floor(room * (high - low) / (peaks[high] - peaks[low])))
-    while high - low > 1:
-        slope = (peaks[high] - peaks[low]) / (high - low)
-        guess = low + math.floor((budget - fixed - peaks[low]) / slope) if slope > 0 else low
-        # the secant's crossing is a lower bound: at or below `low`, `low` is likely the answer (check the
-        # next size); inside the bracket, try it; past it (rounding), bisect
-        n = low + 1 if guess <= low else guess if guess < high else (low + high) // 2
-        low, high = (n, high) if fits(n) else (low, n)
-    return low
-
-
-def _collinear(a, b, c, tolerance: float = 1e-9) -> bool:
-    """Whether three (batch, MB) points lie on one line (the peak then grows linearly between them)."""
-    left, right = (b[1] - a[1]) / (b[0] - a[0]), (c[1] - b[1]) / (c[0] - b[0])
-    return abs(left - right) <= tolerance * max(abs(left), abs(right), 1e-12)
+    fixed = prediction["state"] + (CUBLAS_WORKSPACES_MB if cuda else 0.0)
+    return prediction["profile"].largest_batch(budget - fixed)
 
 
 def budget_mb(cfg) -> float | None:
@@ -313,9 +462,7 @@ def plan_result(cfg) -> dict:
     if budget is not None:
         metrics["budget_mb"] = budget
         metrics["fits"] = float(prediction["peak"] <= budget)
-        metrics["predicted_max_batch_size"] = largest_batch(
-            prediction, seq, cfg.train.precision, budget, cfg.batch_size, cuda
-        )
+        metrics["predicted_max_batch_size"] = largest_batch(prediction, budget, cuda)
     metrics["plan_s"] = time.perf_counter() - start
     return {
         "metrics": metrics,

@@ -48,19 +48,26 @@ def test_plan_jobs_record_the_parts_the_peak_and_the_largest_batch(plan_sweep):
     assert len(plan_csv.read_text().splitlines()) == 7
 
 
-def test_the_largest_batch_is_the_last_that_fits():
-    """Checked against the simulation itself: n fits the budget and n + 1 does not."""
+def direct(monkeypatch, config, spec, cfg, batch: int, cuda: bool = False) -> dict:
+    """The step simulated as it is, without extrapolating: every layer, at this very batch size (a batch of
+    one is simulated itself anyway)."""
+    monkeypatch.setattr(plan, "SHALLOW", (100, 101))
+    monkeypatch.setattr(plan, "TRACED_BATCHES", (max(batch, 2), max(batch, 2) + 1))
+    monkeypatch.setattr(plan, "_PROFILES", {})
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    return plan.simulate(config, spec, cfg, batch, 64, cuda=cuda)
+
+
+def test_the_largest_batch_is_the_last_that_fits(monkeypatch):
+    """Checked against the step simulated at that batch size and the next: n fits the budget, n + 1 does not."""
     cfg = compose_cfg("model=tiny", "optim=adamw")
     spec = optimizers.get("adamw")
     config = models.model_config(cfg.model, num_labels=2)
     found = plan.simulate(config, spec, cfg, 16, 64)
     for budget in (24.0, 30.0, 60.0):
-        n = plan.largest_batch(found, 64, "fp32", budget, start=16)
-
-        def peak(batch):
-            return max(plan.simulate(config, spec, cfg, batch, 64)["peak"], found["step_peak"])
-
-        assert n > 0 and peak(n) <= budget < peak(n + 1), budget
+        n = plan.largest_batch(found, budget)
+        assert n > 0 and direct(monkeypatch, config, spec, cfg, n)["peak"] <= budget, budget
+        assert direct(monkeypatch, config, spec, cfg, n + 1)["peak"] > budget, budget
 
 
 def test_a_cuda_target_runs_torch_adamw_foreach():
@@ -73,6 +80,36 @@ def test_a_cuda_target_runs_torch_adamw_foreach():
     sizes = [p.numel() * 4 / MB for p in cpu["model"].parameters()]
     assert cpu["parts"]["other"] == pytest.approx(2 * max(sizes), rel=0.02)
     assert cuda["parts"]["other"] - plan.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("model", "optim", "precision", "checkpointing", "cuda"),
+    [
+        ("llama-tiny", "adamw", "fp32", False, False),
+        ("qwen-tiny", "adafactor", "bf16", True, True),
+        ("gpt2-tiny", "sgd", "bf16_pure", False, True),
+        ("minilm", "adamw", "bf16", False, False),
+    ],
+)
+def test_any_depth_and_batch_follow_exactly_from_two_shallow_models_at_two_batch_sizes(
+    model, optim, precision, checkpointing, cuda, monkeypatch
+):
+    """A plan simulates a 2- and a 3-layer model at batch sizes 2 and 3 and extrapolates: the parts match
+    simulating all layers at the batch itself, for 8 identical layers (MiniLM: 6, extrapolated in batch only),
+    at batch 1, at 48 (peak at the start of backward: activations) and at 5 (at its end: gradients)."""
+    layers = "n_layer" if model.startswith("gpt2") else "num_hidden_layers"
+    deeper = [] if model == "minilm" else [f"model.architecture.{layers}=8"]
+    overrides = [f"train.precision={precision}", f"train.gradient_checkpointing={checkpointing}", *deeper]
+    cfg = compose_cfg(f"model={model}", f"optim={optim}", *overrides)
+    spec, config = optimizers.get(optim), models.model_config(cfg.model, 2)
+    config.pad_token_id = 0 if config.pad_token_id is None else config.pad_token_id
+    monkeypatch.setattr(plan, "_PROFILES", {})
+    planned = [plan.simulate(config, spec, cfg, batch, 64, cuda=cuda) for batch in (1, 5, 48)]
+    assert len(plan._PROFILES) == 1  # one profile serves every batch size
+    for batch, found in zip((1, 5, 48), planned, strict=True):
+        simulated = direct(monkeypatch, config, spec, cfg, batch, cuda)
+        assert found["parts"] == pytest.approx(simulated["parts"], rel=1e-6), batch
+        assert found["step_peak"] == pytest.approx(simulated["step_peak"], rel=1e-6)
 
 
 def test_bad_plan_values_are_one_line():
