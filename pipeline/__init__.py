@@ -15,3 +15,9 @@ class StateSize:
     @property
     def mb(self) -> float:
         return self.bytes / MB
+
+
+def learning_rate(cfg) -> float:
+    """The peak learning rate a job trains with: `train.lr` (by default the optimizer's reference rate,
+    `optim.lr`) times `train.lr_scale`."""
+    return cfg.train.lr * cfg.train.get("lr_scale", 1.0)

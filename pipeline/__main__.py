@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> float | None:
             sys.exit(2)
     outcome = runner.run(cfg, sweep.current_ids())
     sweep.RESULT.add(outcome)
-    return outcome.eval_f1
+    return outcome.score  # the validation metric (val_<eval.metric>): what a Hydra sweeper optimises
 
 
 def interrupted(signum, frame):

@@ -17,6 +17,7 @@ from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
 
 BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
+QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection uses, on the validation split
 PADDINGS = ("longest", "max_length")
 SHARDINGS = ("none", "zero1", "fsdp")
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
@@ -85,7 +86,30 @@ def validate(cfg: DictConfig) -> None:
             "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)"
         )
     _check(cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
-    _check(cfg, "train.lr", lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
+    _check(
+        cfg,
+        "optim.lr",
+        lambda v: isinstance(v, Real) and v > 0,
+        "must be a number > 0 (each conf/optim/*.yaml sets its optimizer's reference rate)",
+    )
+    for key in ("train.lr", "train.lr_scale"):
+        _check(cfg, key, lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
+    _check(
+        cfg, "eval.metric", lambda v: v in QUALITY_METRICS, f"allowed values are {', '.join(QUALITY_METRICS)}"
+    )
+    _check(
+        cfg, "eval.every_steps", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 = off)"
+    )
+    _check(cfg, "eval.collapse_share", lambda v: isinstance(v, Real) and 0 < v <= 1, "must be in (0, 1]")
+    _check(
+        cfg, "data.val_fraction", lambda v: isinstance(v, Real) and 0 <= v < 1, "must be in [0, 1) (0 = none)"
+    )
+    _check(
+        cfg,
+        "data.max_val_samples",
+        lambda v: v is None or (isinstance(v, int) and v > 0),
+        "must be null (all) or a positive integer",
+    )
     _check(
         cfg, "memory_budget_mb", lambda v: v is None or (isinstance(v, Real) and v > 0), "must be null or > 0"
     )

@@ -7,6 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -15,8 +16,9 @@ FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "
 @dataclass
 class Splits:
     train: object  # datasets.Dataset
-    eval: object
+    eval: object  # the held-out test split (eval_* metrics)
     label_names: list[str]
+    val: object = None  # validation, carved out of the training data (val_* metrics, selection); None: none
 
     @property
     def num_labels(self) -> int:
@@ -106,12 +108,31 @@ def load_splits(cfg: DictConfig) -> Splits:
     else:
         raise ValueError(f"data.loader={cfg.loader!r}; allowed: {', '.join([*PACKAGED, 'files', 'hub'])}")
 
-    if cfg.max_train_samples:
-        train = train.select(range(min(cfg.max_train_samples, len(train))))
-    if cfg.max_eval_samples:
-        eval_ = eval_.select(range(min(cfg.max_eval_samples, len(eval_))))
     train, eval_, names = _encode_labels(train, eval_)
-    return Splits(train, eval_, names)
+    val = None
+    if cfg.get(
+        "val_fraction"
+    ):  # fixed by split_seed; stratified (each class keeps its share) where it can be
+        counts = np.bincount(train["label"], minlength=len(names))
+        stratify = counts.min() >= 2 and round(len(train) * cfg.val_fraction) >= len(names)
+        parts = train.train_test_split(
+            test_size=cfg.val_fraction, seed=cfg.split_seed, stratify_by_column="label" if stratify else None
+        )
+        train, val = parts["train"], parts["test"]
+    train, eval_, val = (
+        _first(ds, limit)
+        for ds, limit in (
+            (train, cfg.max_train_samples),
+            (eval_, cfg.max_eval_samples),
+            (val, cfg.get("max_val_samples")),
+        )
+    )
+    return Splits(train, eval_, names, val)
+
+
+def _first(ds, limit: int | None):
+    """The first `limit` rows of a split (all when limit is null; None stays None)."""
+    return ds if ds is None or not limit else ds.select(range(min(limit, len(ds))))
 
 
 def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Splits:
@@ -143,7 +164,8 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
             new_fingerprint=fingerprint,
         )
 
-    return Splits(run(splits.train), run(splits.eval), splits.label_names)
+    val = None if splits.val is None else run(splits.val)
+    return Splits(run(splits.train), run(splits.eval), splits.label_names, val)
 
 
 class PaddingCollator:

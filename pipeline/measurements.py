@@ -120,7 +120,9 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         },
         job_dir,
     )
-    speed, speed_tags = throughput(cfg, timer, out.train_runtime_s, ranks, num_params, out.device)
+    # (the loop's time less the validation passes inside it: eval.every_steps)
+    runtime = out.train_runtime_s - timer.paused_s
+    speed, speed_tags = throughput(cfg, timer, runtime, ranks, num_params, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
         # on CUDA the paged part of the state is not on the device (nor in the allocator's peak); under
@@ -162,21 +164,34 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         "train_tokens": tokens,
         "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
+        **{f"val_{k}": v for k, v in out.val_metrics.items()},
         **distributed.rank_metrics(ranks),
     }
     tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": out.peak.breakdown_tag}
+    shares = [m["top_class_share"] for m in (out.eval_metrics, out.val_metrics) if "top_class_share" in m]
+    if shares:  # (nearly) every prediction in one class: binary F1 flatters such a model
+        tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
     if method:
         tags["prediction_method"] = method
     if spec.name.startswith("paged") and not on_cuda:
         tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
     return {
         "metrics": metrics,
-        "series": {"train_loss": out.losses},
+        # validation over steps: the periodic passes, then the final one at the last step
+        "series": {
+            "train_loss": out.losses,
+            **{
+                f"val_{k}": {**steps, cfg.train.max_steps: out.val_metrics[k]}
+                for k, steps in out.val_series.items()
+                if k in out.val_metrics
+            },
+        },
         "params": {
             "device": out.device,
             "num_labels": splits.num_labels,
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
+            "val_samples": 0 if splits.val is None else len(splits.val),
             "optim_variant": spec.variant(cfg.backend.name) or "plain",
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
         },

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from math import ceil, prod
 from typing import NamedTuple
 
-from pipeline import StateSize
+from pipeline import StateSize, learning_rate
 
 FP32, INT64 = 4, 8
 EXTRA = "optim"  # the pyproject extra holding the optional optimizer packages
@@ -133,7 +133,7 @@ def build_adamw(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    return torch.optim.AdamW(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
 
 
 def estimate_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -145,7 +145,7 @@ def build_adafactor_torch(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.Adafactor(groups, lr=cfg.train.lr)
+    return torch.optim.Adafactor(groups, lr=learning_rate(cfg))
 
 
 def factored(shape) -> int:
@@ -164,7 +164,7 @@ def build_sgd(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.SGD(groups, lr=cfg.train.lr, momentum=cfg.optim.momentum)
+    return torch.optim.SGD(groups, lr=learning_rate(cfg), momentum=cfg.optim.momentum)
 
 
 def estimate_sgd(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -179,7 +179,7 @@ def build_adafactor(model, cfg):
 
     # what TrainingArguments(optim="adafactor") builds
     groups = param_groups(model, cfg.train.weight_decay)
-    return Adafactor(groups, lr=cfg.train.lr, scale_parameter=False, relative_step=False)
+    return Adafactor(groups, lr=learning_rate(cfg), scale_parameter=False, relative_step=False)
 
 
 def estimate_adafactor(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -202,7 +202,12 @@ def bnb_builder(kind: str, bits: int, paged: bool = False):
         cls = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[kind]
         extra = {"eps": cfg.optim.eps} if kind == "adamw" else {}
         return cls(
-            groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), optim_bits=bits, is_paged=paged, **extra
+            groups,
+            lr=learning_rate(cfg),
+            betas=tuple(cfg.optim.betas),
+            optim_bits=bits,
+            is_paged=paged,
+            **extra,
         )
 
     return build
@@ -246,7 +251,7 @@ def torchao_builder(kind: str):
         kwargs = {"block_size": cfg.optim.block_size}
         if kind != "fp8":
             kwargs["bf16_stochastic_round"] = False
-        return cls(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, **kwargs)
+        return cls(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, **kwargs)
 
     return build
 
@@ -303,7 +308,7 @@ def build_galore_adamw(model, cfg):
         {"params": [p for n, p in named if n not in targets]},
         {"params": [p for n, p in named if n in targets], **galore_kwargs(cfg)},
     ]
-    return GaLoreAdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    return GaLoreAdamW(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
 
 
 def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -341,7 +346,7 @@ def build_adam_mini(model, cfg):
     dim, heads = attention_dims(model.config)
     optimizer = Adam_mini(
         named_parameters=model.named_parameters(),
-        lr=cfg.train.lr,
+        lr=learning_rate(cfg),
         betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps,
         weight_decay=cfg.train.weight_decay,
@@ -409,7 +414,7 @@ def build_schedule_free_adamw(model, cfg):
     groups = param_groups(model, cfg.train.weight_decay)
     return AdamWScheduleFree(
         groups,
-        lr=cfg.train.lr,
+        lr=learning_rate(cfg),
         betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps,
         weight_decay=cfg.train.weight_decay,

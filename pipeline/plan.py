@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import MB
+from pipeline import MB, learning_rate
 
 # CUDA targets: what the allocator holds that no tensor does, stated (not measured here): one cuBLAS workspace
 # per handle (forward, autograd's backward thread), 32 MiB + 1 MiB (cuBLASLt) on Hopper, as torch sizes them
@@ -390,7 +390,7 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
     fb = steps.parts(batch)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
-        [spec.name, OmegaConf.to_container(cfg.optim), cfg.train.lr, cfg.train.weight_decay]
+        [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
     )
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda)
     if key not in _OPTIMIZER_STEP:

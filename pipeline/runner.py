@@ -20,6 +20,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import learning_rate
 from pipeline.config import ConfigError, validate
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 
@@ -40,6 +41,11 @@ def run_name(cfg: DictConfig) -> str:
     return name
 
 
+def selection_metric(cfg: DictConfig) -> str:
+    """The metric a point is selected by: `eval.metric` on the validation split."""
+    return f"val_{cfg.eval.metric}"
+
+
 def job_params(cfg: DictConfig) -> dict:
     return {
         "optim": cfg.optim.name,
@@ -48,7 +54,8 @@ def job_params(cfg: DictConfig) -> dict:
         "backend": cfg.backend.name,
         "batch_size": cfg.batch_size,
         "seed": cfg.seed,
-        "lr": cfg.train.lr,
+        "lr": learning_rate(cfg),
+        "lr_scale": cfg.train.lr_scale,
         "max_steps": cfg.train.max_steps,
         "max_length": cfg.train.max_length,
         "weight_decay": cfg.train.weight_decay,
@@ -69,11 +76,12 @@ def job_params(cfg: DictConfig) -> dict:
 
 @dataclass
 class Outcome:
-    """What one point came to, for the sweep's summary and for Hydra (a sweeper optimises `eval_f1`)."""
+    """What one point came to, for the sweep's summary and for Hydra: `score` is what the task function returns
+    (what a Hydra sweeper optimises), the validation split's `val_<eval.metric>`: never the held-out test."""
 
     name: str
     status: str  # FINISHED | FAILED | SKIPPED
-    eval_f1: float | None = None
+    score: float | None = None
     reason: str = ""  # `reason: one-line error` of a failure
 
 
@@ -156,6 +164,16 @@ def config_hash(cfg: DictConfig) -> str:
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)
+    for group, key, unset in (
+        ("train", "lr_scale", 1.0),
+        ("eval", "every_steps", 0),
+        ("eval", "collapse_share", 0.95),
+        ("eval", "metric", "macro_f1"),
+    ):
+        if point[group].get(key, unset) == unset:
+            point[group].pop(key, None)
+    # train.lr is the rate itself (resolved): a changed reference rate in conf/optim makes new points, and
+    # runs from before the validation split (data.val_fraction) trained on more data: they are other points
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if isinstance(nproc, int) and nproc > 1:  # the number of ranks changes the result (global batch)
         point["world_size"] = cfg.launcher.nproc_per_job
@@ -210,7 +228,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         if done is not None:
             print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
             (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
-            return Outcome(name, "SKIPPED", done.data.metrics.get("eval_f1"))
+            return Outcome(name, "SKIPPED", done.data.metrics.get(selection_metric(cfg)))
     pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
     if ranks.get("RANK", "0") != "0":
         return follow_rank(cfg, job_dir, pool_dir, ranks)
@@ -243,7 +261,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             result = result or json.loads((job_dir / RESULT_FILE).read_text())
             tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
             tracker.end(run_id, "FINISHED")
-            return Outcome(name, "FINISHED", result["metrics"].get("eval_f1"))
+            return Outcome(name, "FINISHED", result["metrics"].get(selection_metric(cfg)))
         tracker.log(
             run_id, failure.metrics, tags={"error": failure.summary, "failure_reason": failure.reason}
         )

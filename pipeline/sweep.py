@@ -140,6 +140,15 @@ class SweepCallback(Callback):
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
 
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+
+        if job_return.status == JobStatus.COMPLETED and job_return.return_value is not None:
+            value = job_return.return_value  # the task function's: val_<eval.metric>
+            print(
+                f"[job] returns val_{config.eval.metric}={value:.6f} (validation split: what a sweeper optimises)"
+            )
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         ids = sweep_ids(Path(config.hydra.sweep.dir))
         if ids is None:

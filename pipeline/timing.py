@@ -22,6 +22,10 @@ class StepTimer:
     The time from one step's start to the next one's is one whole training step (data, forward, backward,
     optimizer, logging), whether or not its optimizer step ran: the fp16 grad scaler skips the optimizer step
     of a step whose gradients overflowed, and torch's optimizer hooks then do not fire.
+
+    Evaluation inside the loop (periodic validation: the model's forward in eval mode) is no step's time: from
+    the end of the optimizer step before it to the next step's start, it is left out of `starts_s` (which
+    count training time only) and summed in `paused_s`.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -29,6 +33,9 @@ class StepTimer:
         self.starts_s: list[float] = []
         self.times_s: list[float] = []  # optimizer steps that ran
         self._starts: list[float] = []  # a wrapper optimizer's step nests the real one: time the outermost
+        self.paused_s = 0.0  # evaluation inside the loop
+        self._last_step_end: float | None = None
+        self._evaluating_since: float | None = None
 
     def _now(self) -> float:
         if torch.cuda.is_available():
@@ -36,8 +43,15 @@ class StepTimer:
         return time.perf_counter()
 
     def _step_started(self, module, args) -> None:
-        if module.training:
-            self.starts_s.append(self._now())
+        if not module.training:  # an evaluation pass
+            if self._evaluating_since is None:
+                self._evaluating_since = self._last_step_end or self._now()
+            return
+        now = self._now()
+        if self._evaluating_since is not None:
+            self.paused_s += now - self._evaluating_since
+            self._evaluating_since = None
+        self.starts_s.append(now - self.paused_s)
 
     def _pre(self, optimizer, args, kwargs) -> None:
         self._starts.append(self._now())
@@ -45,7 +59,8 @@ class StepTimer:
     def _post(self, optimizer, args, kwargs) -> None:
         start = self._starts.pop()
         if not self._starts:
-            self.times_s.append(self._now() - start)
+            self._last_step_end = self._now()
+            self.times_s.append(self._last_step_end - start)
 
     def __enter__(self):
         self._handles = [

@@ -68,8 +68,10 @@ class Tracker:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
-        rows = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
-        for key, values in (series or {}).items():  # a list counts steps from 1; a dict gives them
+        series = series or {}
+        # a metric also given as a series is logged as the series alone (whose last step holds its value)
+        rows = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if k not in series]
+        for key, values in series.items():  # a list counts steps from 1; a dict gives them
             steps = values.items() if isinstance(values, dict) else enumerate(values, start=1)
             rows += [Metric(key, float(v), now, int(step)) for step, v in steps]
         params = [Param(k, str(v)) for k, v in (params or {}).items()]

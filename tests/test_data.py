@@ -28,7 +28,7 @@ def test_rotten_tomatoes_split_is_clean_and_deterministic():
 def test_bbc_news_has_five_topics():
     splits = data.load_splits(compose_cfg("data=bbc_news").data)
     assert splits.num_labels == 5
-    assert len(splits.train) + len(splits.eval) == 2225
+    assert len(splits.train) + len(splits.val) + len(splits.eval) == 2225
 
 
 def write(frame: pd.DataFrame, path):
@@ -48,8 +48,10 @@ def test_local_files_with_string_labels(tmp_path, suffix):
         f"data.train_file={write(frame, tmp_path / ('train' + suffix))}",
         f"data.eval_file={write(frame.iloc[:2], tmp_path / ('eval' + suffix))}",
         "data.label_column=sentiment",
+        "data.val_fraction=0",  # no validation split: the training rows stay as written
     ).data
     splits = data.load_splits(cfg)
+    assert splits.val is None
     assert splits.label_names == ["neg", "pos"]
     assert splits.train["label"] == [1, 0, 1, 0, 1, 0]
     assert splits.eval["text"] == ["good film", "bad film"]
@@ -83,7 +85,9 @@ def test_hub_loader_on_a_local_dataset_folder(tmp_path):
         "\n".join(json.dumps({"sentence": t, "label": i % 2}) for i, t in enumerate(ROWS["text"]))
     )
     (tmp_path / "validation.jsonl").write_text(json.dumps({"sentence": "ok", "label": 1}))
-    cfg = compose_cfg("data=glue_sst2", f"data.path={tmp_path}", "data.subset=null").data
+    cfg = compose_cfg(
+        "data=glue_sst2", f"data.path={tmp_path}", "data.subset=null", "data.val_fraction=0"
+    ).data
     splits = data.load_splits(cfg)
     assert len(splits.train) == 6 and splits.eval["text"] == ["ok"]
     assert splits.label_names == ["0", "1"]

@@ -36,13 +36,15 @@ def batches(loader, steps: int):
             yield batch
 
 
-def evaluation(accelerator, model, optimizer, eval_loader, spec, splits) -> dict[str, float]:
+def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="eval") -> dict[str, float]:
+    """Loss and classification_metrics over a split; the model (and a schedule-free optimizer) go back to
+    training mode afterwards."""
     model.eval()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.eval()
     logits, labels, sample_losses = [], [], []
     with torch.no_grad():
-        for batch in tqdm(eval_loader, desc="eval", disable=not accelerator.is_main_process):
+        for batch in tqdm(eval_loader, desc=desc, disable=not accelerator.is_main_process, leave=False):
             out = model(**batch)
             # the batch's mean loss once per sample, gathered like the logits: the mean over the whole eval
             # split on any number of ranks (gather_for_metrics drops the samples a rank repeated)
@@ -52,6 +54,9 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits) -> dict
             labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
     labels = np.concatenate(labels)
     metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
+    model.train()
+    if spec.needs_train_eval_mode:
+        optimizer.optimizer.train()
     return {"loss": float(np.concatenate(sample_losses).mean()), **metrics}
 
 
@@ -74,6 +79,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         sampler = RandomSampler(splits.train, generator=generator)
     train_loader = DataLoader(splits.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
     eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    val_loader = None
+    if splits.val is not None:
+        val_loader = DataLoader(splits.val, batch_size=cfg.eval.batch_size, collate_fn=collate)
     if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
         enable_checkpointing(model)
     if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
@@ -93,6 +101,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
             model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
         )
 
+    if val_loader is not None:
+        val_loader = accelerator.prepare(val_loader)
+    every = cfg.eval.get("every_steps", 0) if val_loader is not None and evaluate else 0
+    val_series: dict[str, dict[int, float]] = {}
     losses = []
     model.train()
     if spec.needs_train_eval_mode:
@@ -118,6 +130,11 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
             scheduler.step()
             optimizer.zero_grad()
             progress.update()
+            if every and step % every == 0 and step < cfg.train.max_steps:  # as the Trainer's eval_steps
+                for key, value in evaluation(
+                    accelerator, model, optimizer, val_loader, spec, splits, "val"
+                ).items():
+                    val_series.setdefault(key, {})[step] = value
         progress.close()
         runtime = time.perf_counter() - start
 
@@ -128,4 +145,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         train_runtime_s=runtime,
         peak=peak,
         device=str(accelerator.device),
+        val_metrics=evaluation(accelerator, model, optimizer, val_loader, spec, splits, "val")
+        if evaluate and val_loader is not None
+        else {},
+        val_series=val_series,
     )

@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from pipeline import learning_rate
 from pipeline.backends import (
     CHECKPOINTING_KWARGS,
+    METRIC_KEYS,
     NonFiniteLoss,
     TrainOutput,
     checkpointing_name,
@@ -31,12 +33,14 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
     optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
     checkpointing = checkpointing_name(TrainingArguments)  # the Trainer enables it on the model at train()
+    # periodic validation: the Trainer's own eval_strategy="steps" on the validation split
+    every = cfg.eval.get("every_steps", 0) if splits.val is not None and evaluate else 0
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.eval.batch_size,
-        learning_rate=cfg.train.lr,
+        learning_rate=learning_rate(cfg),
         weight_decay=cfg.train.weight_decay,
         lr_scheduler_type=cfg.train.lr_scheduler,
         warmup_steps=cfg.train.warmup_steps,
@@ -44,7 +48,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         seed=cfg.seed,
         logging_strategy="steps",
         logging_steps=1,
-        eval_strategy="no",
+        eval_strategy="steps" if every else "no",
+        eval_steps=every or None,
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
         logging_nan_inf_filter=False,  # a NaN loss must show, not be smoothed over
@@ -65,7 +70,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         model=model,
         args=args,
         train_dataset=splits.train,
-        eval_dataset=splits.eval,
+        eval_dataset=splits.val if every else splits.eval,
         data_collator=collate,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
         optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
@@ -75,14 +80,28 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         start = time.perf_counter()
         trainer.train()
         runtime = time.perf_counter() - start
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics = trainer.evaluate() if evaluate else {}
+    history = trainer.state.log_history
+    losses = [entry["loss"] for entry in history if "loss" in entry]
+    val_series: dict[str, dict[int, float]] = {}
+    for entry in history:  # the periodic validation passes (the last step's is the final one, below)
+        if "eval_loss" in entry and entry["step"] < cfg.train.max_steps:
+            for key in ("loss", *METRIC_KEYS):
+                if f"eval_{key}" in entry:
+                    val_series.setdefault(key, {})[entry["step"]] = entry[f"eval_{key}"]
+
+    def evaluated(dataset, prefix: str) -> dict[str, float]:
+        metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix)
+        return {k: metrics[f"{prefix}_{k}"] for k in ("loss", *METRIC_KEYS) if f"{prefix}_{k}" in metrics}
+
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     return TrainOutput(
         optimizer=optimizer,
         losses=losses,
-        eval_metrics={k: metrics[f"eval_{k}"] for k in ("loss", "accuracy", "f1") if f"eval_{k}" in metrics},
+        eval_metrics=evaluated(splits.eval, "eval") if evaluate else {},
+        # (the Trainer's eval-time spent inside train() is taken out of the throughput by the StepTimer)
         train_runtime_s=runtime,
         peak=peak,
         device=str(args.device),
+        val_metrics=evaluated(splits.val, "val") if evaluate and splits.val is not None else {},
+        val_series=val_series,
     )

@@ -1,0 +1,106 @@
+"""A fair quality comparison: each optimizer's reference rate and `train.lr_scale`, three splits (train,
+validation carved out of it, held-out test), quality figures a collapsed model cannot game, periodic
+validation on both backends, the task function's value, and the `+protocol=tune_lr` preset."""
+
+import re
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from sklearn.metrics import f1_score
+
+from pipeline import learning_rate
+from pipeline.backends import classification_metrics
+from pipeline.runner import config_hash
+from tests.conftest import CONF, compose_cfg, run_cli, store, sweep_runs
+
+
+def test_validation_and_test_splits_never_overlap_each_other_or_train():
+    from pipeline import data
+
+    splits = data.load_splits(compose_cfg().data)
+    train, val, test = (set(ds["text"]) for ds in (splits.train, splits.val, splits.eval))
+    assert len(val) == 500 and len(test) == 1000  # data.max_val_samples, data.max_eval_samples
+    assert not train & val and not train & test and not val & test
+    # stratified: the validation split keeps the training data's class shares
+    share = lambda ds: np.mean(ds["label"])  # noqa: E731
+    assert share(splits.val) == pytest.approx(share(splits.train), abs=0.03)
+    again = data.load_splits(compose_cfg().data)  # fixed by data.split_seed
+    assert again.val["text"] == splits.val["text"]
+
+
+def test_quality_figures_do_not_flatter_a_collapsed_model():
+    """A model that answers "fresh" for every review of a 57/43 split: binary F1 0.73, macro-F1 0.36."""
+    labels = np.array([1] * 57 + [0] * 43)
+    collapsed = classification_metrics(np.tile([0.0, 1.0], (100, 1)), labels, 2)
+    assert collapsed["f1"] == pytest.approx(f1_score(labels, np.ones(100)), abs=1e-12)
+    assert collapsed["f1"] == pytest.approx(0.726, abs=1e-3)
+    assert collapsed["macro_f1"] == pytest.approx(f1_score(labels, np.ones(100), average="macro"), abs=1e-12)
+    assert collapsed["macro_f1"] == pytest.approx(0.363, abs=1e-3)
+    assert collapsed["top_class_share"] == 1.0 and collapsed["majority_accuracy"] == 0.57
+    rng = np.random.default_rng(0)  # any predictions, three classes: macro-F1 as scikit-learn computes it
+    logits, labels = rng.normal(size=(200, 3)), rng.integers(0, 3, 200)
+    figures = classification_metrics(logits, labels, 3)
+    assert figures["macro_f1"] == pytest.approx(
+        f1_score(labels, logits.argmax(1), average="macro"), abs=1e-12
+    )
+    assert figures["top_class_share"] == np.bincount(logits.argmax(1)).max() / 200
+
+
+def test_each_optimizer_trains_at_its_reference_rate_times_lr_scale():
+    sgd = compose_cfg("optim=sgd")
+    assert sgd.train.lr == sgd.optim.lr and learning_rate(sgd) == sgd.optim.lr
+    scaled = compose_cfg("optim=sgd", "train.lr_scale=3")
+    assert learning_rate(scaled) == pytest.approx(3 * sgd.optim.lr)
+    assert learning_rate(compose_cfg("optim=sgd", "train.lr=1e-3", "train.lr_scale=0.1")) == pytest.approx(
+        1e-4
+    )
+    # a point is its resolved config: another rate is another point; lr_scale=1 is the point without it
+    assert config_hash(scaled) != config_hash(sgd)
+    assert config_hash(compose_cfg("optim=sgd", "train.lr_scale=1")) == config_hash(sgd)
+
+
+def test_the_tune_lr_preset_declares_its_grid_seeds_and_budget():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["+protocol=tune_lr"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    scales = [float(v) for v in params["train.lr_scale"].split(",")]
+    assert len(scales) == 5 and scales[0] == 0.1 and scales[-1] == 10  # log-spaced over two decades
+    assert np.allclose(np.diff(np.log10(scales)), 0.5, atol=0.01)
+    assert params.seed.split(",") == ["0", "1", "2"]
+    assert cfg.train.max_steps == 100 and cfg.eval.every_steps == 20
+
+
+@pytest.fixture(scope="module")
+def tuning_sweep(tmp_path_factory):
+    """A small real tuning sweep: two optimizers x two rates x two seeds, validation every 2 of 4 steps."""
+    tmp = tmp_path_factory.mktemp("tuning")
+    args = ["-m", "model=tiny", "optim=adamw,sgd", "train.lr_scale=1,30", "seed=0,1", "backend=accelerator"]
+    args += ["train.max_steps=4", "eval.every_steps=2", "data.max_train_samples=128"]
+    args += ["data.max_val_samples=64", "data.max_eval_samples=64"]
+    proc = run_cli(tmp, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, proc
+
+
+def test_the_task_function_returns_the_validation_metric(tuning_sweep):
+    tmp, proc = tuning_sweep
+    returned = sorted(float(v) for v in re.findall(r"returns val_macro_f1=([\d.]+)", proc.stdout))
+    runs = sweep_runs(tmp)[1]
+    assert len(returned) == len(runs) == 8
+    assert returned == pytest.approx(sorted(r.data.metrics["val_macro_f1"] for r in runs), abs=1e-6)
+
+
+def test_validation_series_rates_and_collapse_are_recorded(tuning_sweep):
+    tmp, _ = tuning_sweep
+    client = store(tmp)
+    for run in sweep_runs(tmp)[1]:
+        params, metrics = run.data.params, run.data.metrics
+        reference = compose_cfg(f"optim={params['optim']}").optim.lr
+        assert float(params["lr"]) == pytest.approx(reference * float(params["lr_scale"]))
+        history = client.get_metric_history(run.info.run_id, "val_macro_f1")
+        assert sorted(m.step for m in history) == [2, 4]  # the periodic pass, then the final one
+        assert max(history, key=lambda m: m.step).value == metrics["val_macro_f1"]
+        assert "eval_macro_f1" in metrics and 0.5 <= metrics["val_majority_accuracy"] <= 1
+        collapsed = max(metrics["val_top_class_share"], metrics["eval_top_class_share"]) >= 0.95
+        assert run.data.tags["collapsed"] == str(collapsed).lower()
