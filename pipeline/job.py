@@ -23,14 +23,15 @@ FAILURE_FILE = "failure.json"  # the failure reason and the figures at the time,
 
 
 def load(cfg: DictConfig):
-    """The job's tokenizer, tokenized splits and model."""
+    """The job's tokenizer, tokenized splits (their `inputs`: the splits as read, for MLflow) and model."""
     import torch
 
     from pipeline import data, models
 
     tokenizer = models.load_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data)
-    model = models.load_model(cfg.model, splits.num_labels)
+    splits.inputs = data.dataset_inputs(splits, cfg.data)  # the splits as read, before tokenizing
+    model = models.load_model(cfg.model, splits.num_labels, splits.label_names)
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.train.precision == "bf16_pure":
         # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
@@ -56,11 +57,13 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     transformers.set_seed(cfg.seed)
     tokenizer, splits, model = load(cfg)
     if cfg.find_batch_size:
-        return batch_size.fit_result(cfg, model, splits, spec, tokenizer, job_dir)
-    collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
-    with StepTimer(model) as timer:
-        out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
-    return measurements.training_result(cfg, spec, model, splits, collate, out, timer, job_dir)
+        result = batch_size.fit_result(cfg, model, splits, spec, tokenizer, job_dir)
+    else:
+        collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
+        with StepTimer(model) as timer:
+            out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
+        result = measurements.training_result(cfg, spec, model, splits, collate, out, timer, job_dir)
+    return {**result, "datasets": splits.inputs}  # the runner logs them as the run's dataset inputs
 
 
 def failure_info(err: BaseException) -> dict:
@@ -84,7 +87,41 @@ def failure_info(err: BaseException) -> dict:
     return {"reason": "exception", "metrics": {}}
 
 
+def result_line(metrics: dict) -> str:
+    """The job's result in one line with units, as it prints it (and, for a search or a plan, its run's
+    description in MLflow)."""
+    m = metrics
+    if "max_batch_size" in m:
+        return f"largest batch that fits: {m['max_batch_size']}"
+    if "optimizer_state_mb" not in m:  # a plan: predicted, nothing trained
+        return f"predicted peak {m.get('predicted_peak_mb', float('nan')):.1f} MB"
+    return (
+        f"state {m['optimizer_state_mb']:.2f} MB "
+        f"(estimated {m.get('estimated_optimizer_state_mb', float('nan')):.2f}), "
+        f"peak {m['peak_memory_mb']:.1f} MB, eval F1 {m['eval_f1']:.3f}, "
+        f"{m['train_samples_per_second']:.1f} samples/s"
+    )
+
+
+def _mb(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+
+
+def run_description(metrics: dict) -> str:
+    """The run's description in MLflow: the figures that decide, within the 50 characters the runs table
+    shows (its tooltip and the run page show all of it): `state 7.72 MB, peak 22.9 MB, F1 0.727`."""
+    m = metrics
+    if "optimizer_state_mb" not in m or "eval_f1" not in m:
+        return result_line(m)
+    return (
+        f"state {_mb(m['optimizer_state_mb'])} MB, peak {_mb(m['peak_memory_mb'])} MB, F1 {m['eval_f1']:.3f}"
+    )
+
+
 def main(job_dir: Path) -> int:
+    from pipeline import quiet
+
+    quiet.install()  # before torch, transformers and torchao log anything
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     rank = int(os.environ.get("RANK", "0"))  # a job of several processes: only rank 0 reports
     try:
@@ -100,17 +137,7 @@ def main(job_dir: Path) -> int:
     if rank != 0:
         return 0
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
-    m = result["metrics"]
-    if cfg.find_batch_size:
-        print(f"[job] largest batch that fits: {m['max_batch_size']}", flush=True)
-        return 0
-    print(
-        f"[job] state {m['optimizer_state_mb']:.2f} MB "
-        f"(estimated {m.get('estimated_optimizer_state_mb', float('nan')):.2f}), "
-        f"peak {m['peak_memory_mb']:.1f} MB, eval F1 {m['eval_f1']:.3f}, "
-        f"{m['train_samples_per_second']:.1f} samples/s",
-        flush=True,
-    )
+    print(f"[job] {result_line(result['metrics'])}", flush=True)
     return 0
 
 

@@ -48,7 +48,7 @@ def state_estimate(cfg, spec, model, optimizer) -> StateSize | None:
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         trainable = [p for p in model.parameters() if p.requires_grad]
         infos = [i for i, p in zip(infos, trainable, strict=True) if id(p) in owned]
-    return spec.estimate(infos, cfg, spec.variant(cfg.backend.name), model.config)
+    return spec.estimate(infos, cfg, spec.variant(cfg.backend.name, cfg), model.config)
 
 
 def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_params: int, device: str):
@@ -129,7 +129,7 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         # ZeRO-1 the other ranks' shards are not on this one (the simulation steps the whole optimizer)
         paged_mb = paged.mb if on_cuda else 0.0
         if cfg.train.sharding == "zero1":
-            variant = spec.variant(cfg.backend.name)
+            variant = spec.variant(cfg.backend.name, cfg)
             paged_mb += (
                 spec.estimate(optimizers.param_infos(model), cfg, variant, model.config).mb - estimate.mb
             )
@@ -173,6 +173,8 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
     if method:
         tags["prediction_method"] = method
+    if cfg.backend.name == "trainer":  # the Trainer's own optim= path, or the registry's object
+        tags["trainer_optim"] = spec.trainer_string(cfg) or "none: handed the registry's optimizer object"
     if spec.name.startswith("paged") and not on_cuda:
         tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
     return {
@@ -189,10 +191,12 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         "params": {
             "device": out.device,
             "num_labels": splits.num_labels,
+            "label_names": splits.labels_param,  # id2label: eval_f1 is the F1 of class 1 (of two)
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
             "val_samples": 0 if splits.val is None else len(splits.val),
-            "optim_variant": spec.variant(cfg.backend.name) or "plain",
+            "optim_variant": spec.variant(cfg.backend.name, cfg) or "plain",
+            "optim_settings": optimizers.built_settings(out.optimizer),
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
         },
         "tags": tags,

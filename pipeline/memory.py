@@ -104,12 +104,24 @@ def paged_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
     return StateSize(numel, nbytes)
 
 
+def distinct_mb(value_bytes: float, reference_bytes: float) -> tuple[str, str]:
+    """Both figures in MB with the fewest decimals (1 to 6) at which they read differently: a figure just
+    past a budget never reads as equal to it ("40.0 MB" against "40.0 MB")."""
+    for decimals in range(1, 7):
+        value, reference = f"{value_bytes / MB:.{decimals}f}", f"{reference_bytes / MB:.{decimals}f}"
+        if value != reference:
+            break
+    return value, reference
+
+
 class MemoryBudgetExceeded(torch.OutOfMemoryError):
     """Live tensors past `memory_budget_mb` on CPU: the same failure a GPU of that size would give."""
 
     def __init__(self, budget_bytes: int, live_bytes: int):
+        live, budget = distinct_mb(live_bytes, budget_bytes)
         super().__init__(
-            f"CPU memory budget of {budget_bytes / MB:.1f} MB exceeded: {live_bytes / MB:.1f} MB of tensors live"
+            f"CPU memory budget of {budget} MB exceeded: {live} MB of tensors live "
+            f"({live_bytes - budget_bytes:,} byte{'s' if live_bytes - budget_bytes != 1 else ''} over)"
         )
         self.figures_mb = {"memory_allocated_mb": live_bytes / MB}
 

@@ -42,31 +42,45 @@ def load_tokenizer(model_cfg: DictConfig):
     return tokenizer
 
 
-def load_model(model_cfg: DictConfig, num_labels: int):
+def label_kwargs(num_labels: int, label_names: list[str] | None) -> dict:
+    """The config's num_labels, and its id2label / label2id when the class names are known (what a saved
+    config.json carries and a pipeline("text-classification") prints)."""
+    if label_names is None:
+        return {"num_labels": num_labels}
+    return {
+        "num_labels": num_labels,
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: i for i, name in enumerate(label_names)},
+    }
+
+
+def load_model(model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None):
     from transformers import AutoModelForSequenceClassification
 
+    labels = label_kwargs(num_labels, label_names)
     if model_cfg.pretrained:
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         try:
-            return AutoModelForSequenceClassification.from_pretrained(source, num_labels=num_labels)
+            return AutoModelForSequenceClassification.from_pretrained(source, **labels)
         except OSError as err:
             raise OSError(
                 f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
                 f"cache ({err.__class__.__name__}); set model.pretrained=false to build it with random weights"
             ) from err
-    return AutoModelForSequenceClassification.from_config(model_config(model_cfg, num_labels))
+    return AutoModelForSequenceClassification.from_config(model_config(model_cfg, num_labels, label_names))
 
 
 def vocab_size(model) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
-def model_config(model_cfg: DictConfig, num_labels: int):
+def model_config(model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None):
     """The transformers config a job's model is built from, read without any weights (plan mode)."""
     from transformers import AutoConfig
 
+    labels = label_kwargs(num_labels, label_names)
     if model_cfg.architecture is None:  # a packaged or hub model: its own config file
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
-        return AutoConfig.from_pretrained(source, num_labels=num_labels)
+        return AutoConfig.from_pretrained(source, **labels)
     arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
-    return AutoConfig.for_model(**arch, num_labels=num_labels)
+    return AutoConfig.for_model(**arch, **labels)

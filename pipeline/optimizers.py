@@ -4,7 +4,10 @@ Each entry gives
 - `build(model, cfg)`: the optimizer built directly (the Accelerator backend; and the Trainer backend when the
   Trainer has no `optim=` string for it, through `Trainer(optimizers=...)`);
 - `trainer_optim`: the Trainer's `optim=` string for the same optimizer, with `trainer_args(cfg)` for its
-  extra TrainingArguments (a test checks both paths build the same class with the same settings);
+  extra TrainingArguments (a test checks both paths build the same class with the same settings); the
+  settings that string's path cannot carry are in `trainer_fixed`: when a config changes one of them, the
+  Trainer is handed `build`'s object instead (`trainer_string`), so a setting has the same effect on both
+  backends;
 - `estimate(params, cfg, variant, model_config)`: the analytic state size from parameter names and shapes alone, which must
   equal the measured state to the byte;
 - `requires`: import names of the optional packages it needs (`pip install -e '.[optim]'`).
@@ -15,8 +18,9 @@ any heavy import.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import ceil, prod
 from typing import NamedTuple
 
@@ -78,6 +82,8 @@ class OptimizerSpec:
     trainer_optim: str | None = None
     trainer_args: Callable = lambda cfg: {}  # extra TrainingArguments for trainer_optim
     trainer_variant: str | None = None  # how the Trainer's version differs from `build`'s, if it does
+    # settings (conf/optim keys) the Trainer's optim= path fixes at these values: it cannot be told others
+    trainer_fixed: dict = field(default_factory=dict)
     requires: tuple[str, ...] = ()
     needs_train_eval_mode: bool = False  # schedule-free: optimizer.train() / optimizer.eval()
     compiles_step: bool = False  # torchao: torch.compile'd step (incompatible with the CPU peak tracker)
@@ -87,9 +93,20 @@ class OptimizerSpec:
     step_temporaries: tuple[float, float] = (0.0, 0.0)
     step_in_fp32: bool = False  # its temporaries are fp32 whatever the weights' dtype (torchao upcasts)
 
-    def variant(self, backend: str) -> str | None:
+    def trainer_string(self, cfg) -> str | None:
+        """The Trainer's `optim=` string when its path builds this optimizer with the config's settings; None
+        when it has none, or when a setting differs from what that path fixes (then the Trainer is handed
+        `build`'s object, the one the Accelerator loop steps)."""
+        if self.trainer_optim is None:
+            return None
+        chosen = settings(cfg)
+        if any(chosen.get(key, value) != value for key, value in self.trainer_fixed.items()):
+            return None
+        return self.trainer_optim
+
+    def variant(self, backend: str, cfg) -> str | None:
         """How the optimizer a backend builds differs from `build`'s (the Trainer's own `optim=` path)."""
-        return self.trainer_variant if backend == "trainer" and self.trainer_optim else None
+        return self.trainer_variant if backend == "trainer" and self.trainer_string(cfg) else None
 
     def compiled_on(self, device_type: str) -> bool:
         """Whether its step runs compiled on this device type. torchao compiles its step (fullgraph); on CPU
@@ -120,6 +137,43 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     ]
 
 
+def settings(cfg) -> dict:
+    """The optimizer's settings from its conf/optim file (and overrides): every key but `name` and `lr`."""
+    from omegaconf import OmegaConf
+
+    chosen = OmegaConf.to_container(cfg.optim, resolve=True)
+    return {k: v for k, v in chosen.items() if k not in ("name", "lr")}
+
+
+def optim_args(**values) -> str:
+    """The Trainer's `optim_args` string: `key=value,...` (booleans as True / False, as it parses them)."""
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+# settings some optimizers keep outside `defaults`: torchao as attributes (the Trainer's path sets the flag to
+# 0 / 1), bitsandbytes in `args`
+ATTRIBUTE_SETTINGS = {"block_size": int, "bf16_stochastic_round": bool}
+ARGS_SETTINGS = ("min_8bit_size", "optim_bits")
+
+
+def built_settings(optimizer) -> str:
+    """What an optimizer object was built with (its `defaults` and the settings kept beside them, plain values
+    only) as JSON: the run's param `optim_settings`, to compare what each backend really ran."""
+    found = dict(optimizer.defaults)
+    found.update(
+        {k: kind(getattr(optimizer, k)) for k, kind in ATTRIBUTE_SETTINGS.items() if hasattr(optimizer, k)}
+    )
+    args = getattr(optimizer, "args", None)
+    found.update({k: getattr(args, k) for k in ARGS_SETTINGS if hasattr(args, k)})
+    plain = {}
+    for key, value in sorted(found.items()):
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            value = value.item()  # a tensor learning rate (torchao)
+        if isinstance(value, (bool, int, float, str, type(None), tuple, list)):
+            plain[key] = value
+    return json.dumps(plain)
+
+
 def adam_args(cfg) -> dict:
     """The TrainingArguments that carry betas and eps to the Trainer's optimizer."""
     betas = cfg.optim.betas
@@ -133,19 +187,31 @@ def build_adamw(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    o = cfg.optim
+    return torch.optim.AdamW(
+        groups, lr=learning_rate(cfg), betas=tuple(o.betas), eps=o.eps, amsgrad=o.get("amsgrad", False)
+    )
+
+
+def adam_moments(cfg) -> int:
+    """exp_avg and exp_avg_sq, and max_exp_avg_sq with amsgrad."""
+    return 3 if cfg.optim.get("amsgrad", False) else 2
 
 
 def estimate_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
-    # exp_avg and exp_avg_sq in the parameter's dtype, plus a float32 `step` tensor per parameter
-    return total(size((2 * p.numel, p.itemsize), (1, FP32)) for p in params)
+    # exp_avg and exp_avg_sq (and max_exp_avg_sq) in the parameter's dtype, plus a float32 `step` tensor
+    moments = adam_moments(cfg)
+    return total(size((moments * p.numel, p.itemsize), (1, FP32)) for p in params)
 
 
 def build_adafactor_torch(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.Adafactor(groups, lr=learning_rate(cfg))
+    o = cfg.optim
+    return torch.optim.Adafactor(
+        groups, lr=learning_rate(cfg), beta2_decay=o.beta2_decay, eps=tuple(o.eps), d=o.d
+    )
 
 
 def factored(shape) -> int:
@@ -164,10 +230,29 @@ def build_sgd(model, cfg):
     import torch
 
     groups = param_groups(model, cfg.train.weight_decay)
-    return torch.optim.SGD(groups, lr=learning_rate(cfg), momentum=cfg.optim.momentum)
+    o = cfg.optim
+    return torch.optim.SGD(
+        groups,
+        lr=learning_rate(cfg),
+        momentum=o.momentum,
+        dampening=o.get("dampening", 0.0),
+        nesterov=o.get("nesterov", False),
+    )
+
+
+def sgd_trainer_args(cfg) -> dict:
+    """The Trainer's sgd path reads momentum, dampening and nesterov from optim_args."""
+    o = cfg.optim
+    return {
+        "optim_args": optim_args(
+            momentum=o.momentum, dampening=o.get("dampening", 0.0), nesterov=o.get("nesterov", False)
+        )
+    }
 
 
 def estimate_sgd(params, cfg, variant=None, model_config=None) -> StateSize:
+    if not cfg.optim.momentum:  # plain SGD keeps no state
+        return StateSize(0, 0)
     return total(size((p.numel, p.itemsize)) for p in params)  # momentum_buffer
 
 
@@ -177,16 +262,50 @@ def estimate_sgd(params, cfg, variant=None, model_config=None) -> StateSize:
 def build_adafactor(model, cfg):
     from transformers.optimization import Adafactor
 
-    # what TrainingArguments(optim="adafactor") builds
+    # with the defaults of conf/optim/adafactor.yaml, what TrainingArguments(optim="adafactor") builds
     groups = param_groups(model, cfg.train.weight_decay)
-    return Adafactor(groups, lr=learning_rate(cfg), scale_parameter=False, relative_step=False)
+    o = cfg.optim
+    relative = o.relative_step
+    optimizer = Adafactor(
+        groups,
+        lr=None if relative else learning_rate(cfg),  # Adafactor refuses a rate beside its relative step
+        eps=tuple(o.eps),
+        clip_threshold=o.clip_threshold,
+        decay_rate=o.decay_rate,
+        beta1=o.beta1,
+        scale_parameter=o.scale_parameter,
+        relative_step=relative,
+        warmup_init=o.warmup_init,
+    )
+    if relative:  # the step size is Adafactor's own; the schedule gets a number to scale (and is ignored)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg)
+    return optimizer
+
+
+# the values TrainingArguments(optim="adafactor") builds Adafactor with: it passes no other setting
+TRAINER_ADAFACTOR = {
+    "eps": [1e-30, 1e-3],
+    "clip_threshold": 1.0,
+    "decay_rate": -0.8,
+    "beta1": None,
+    "scale_parameter": False,
+    "relative_step": False,
+    "warmup_init": False,
+}
 
 
 def estimate_adafactor(params, cfg, variant=None, model_config=None) -> StateSize:
-    # fp32 statistics: row + column for matrices, full for vectors; no exp_avg (beta1 is None);
+    # fp32 statistics: row + column for matrices, full for vectors; exp_avg (fp32) only with beta1;
     # `RMS` a float32 0-d tensor, `step` a Python int (int64)
+    first = cfg.optim.get("beta1") is not None
     return total(
-        size((factored(p.shape) if len(p.shape) >= 2 else p.numel, FP32), (1, FP32), (1, INT64))
+        size(
+            (factored(p.shape) if len(p.shape) >= 2 else p.numel, FP32),
+            (p.numel if first else 0, FP32),
+            (1, FP32),
+            (1, INT64),
+        )
         for p in params
     )
 
@@ -207,21 +326,27 @@ def bnb_builder(kind: str, bits: int, paged: bool = False):
             betas=tuple(cfg.optim.betas),
             optim_bits=bits,
             is_paged=paged,
+            min_8bit_size=min_8bit_size(cfg),
             **extra,
         )
 
     return build
 
 
+def min_8bit_size(cfg) -> int:
+    """bitsandbytes keeps 32-bit state for tensors under this many elements (`optim.min_8bit_size`)."""
+    return cfg.optim.get("min_8bit_size", BNB_MIN_8BIT_SIZE)
+
+
 def bnb_estimator(states: int, bits: int):
     """bitsandbytes: `states` moments per parameter; 8-bit ones as uint8 codes + an fp32 absmax per block of
-    256, except tensors under 4096 elements (and, in the Trainer's variant, embedding weights) which keep
-    fp32 state; one shared fp32 quantization map per moment; `step` a Python int."""
+    256, except tensors under `optim.min_8bit_size` (4096) elements (and, in the Trainer's variant, embedding
+    weights) which keep fp32 state; one shared fp32 quantization map per moment; `step` a Python int."""
 
     def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
         parts, any_8bit = [], False
         for p in params:
-            eight = bits == 8 and p.numel >= BNB_MIN_8BIT_SIZE
+            eight = bits == 8 and p.numel >= min_8bit_size(cfg)
             eight = eight and not (variant == TRAINER_EMBEDDING_FP32 and p.is_embedding)
             any_8bit |= eight
             moment = size((p.numel, 1), (ceil(p.numel / BNB_BLOCK), FP32)) if eight else size((p.numel, FP32))
@@ -248,10 +373,15 @@ def torchao_builder(kind: str):
 
         groups = param_groups(model, cfg.train.weight_decay)
         cls = getattr(torchao.optim, TORCHAO[kind][0])
-        kwargs = {"block_size": cfg.optim.block_size}
-        if kind != "fp8":
-            kwargs["bf16_stochastic_round"] = False
-        return cls(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, **kwargs)
+        o = cfg.optim
+        return cls(
+            groups,
+            lr=learning_rate(cfg),
+            betas=tuple(o.betas),
+            eps=o.eps,
+            block_size=o.block_size,
+            bf16_stochastic_round=o.get("bf16_stochastic_round", False),
+        )
 
     return build
 
@@ -308,7 +438,14 @@ def build_galore_adamw(model, cfg):
         {"params": [p for n, p in named if n not in targets]},
         {"params": [p for n, p in named if n in targets], **galore_kwargs(cfg)},
     ]
-    return GaLoreAdamW(groups, lr=learning_rate(cfg), betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    o = cfg.optim
+    return GaLoreAdamW(
+        groups,
+        lr=learning_rate(cfg),
+        betas=tuple(o.betas),
+        eps=o.eps,
+        correct_bias=o.get("correct_bias", True),
+    )
 
 
 def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -419,9 +556,18 @@ def build_schedule_free_adamw(model, cfg):
         eps=cfg.optim.eps,
         weight_decay=cfg.train.weight_decay,
         warmup_steps=cfg.train.warmup_steps,
-        r=0.0,
-        weight_lr_power=2.0,
+        r=cfg.optim.get("r", 0.0),
+        weight_lr_power=cfg.optim.get("weight_lr_power", 2.0),
     )
+
+
+def schedule_free_trainer_args(cfg) -> dict:
+    """betas and eps as TrainingArguments; r and weight_lr_power through optim_args, which its path reads."""
+    o = cfg.optim
+    return {
+        **adam_args(cfg),
+        "optim_args": optim_args(r=o.get("r", 0.0), weight_lr_power=o.get("weight_lr_power", 2.0)),
+    }
 
 
 def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
@@ -438,6 +584,9 @@ def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> Opti
         torchao_estimator(kind),
         trainer_optim,
         adam_args if trainer_optim else (lambda cfg: {}),
+        # its path reads block_size as text (which torchao cannot take) and bf16_stochastic_round as 0 / 1:
+        # other values than these go to the Trainer as the object
+        trainer_fixed={"block_size": 256, "bf16_stochastic_round": False},
         requires=("torchao",),
         compiles_step=True,
         step_temporaries=(6, 0),  # eager (CPU); its compiled CUDA step fuses most of them
@@ -451,19 +600,26 @@ REGISTRY: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in [
         OptimizerSpec(
-            "adamw", build_adamw, estimate_adamw, "adamw_torch", adam_args, step_temporaries=(2, 0)
+            "adamw",
+            build_adamw,
+            estimate_adamw,
+            "adamw_torch",
+            adam_args,
+            trainer_fixed={"amsgrad": False},
+            step_temporaries=(2, 0),
         ),
-        OptimizerSpec("adafactor", build_adafactor, estimate_adafactor, "adafactor", step_temporaries=(2, 0)),
+        OptimizerSpec(
+            "adafactor",
+            build_adafactor,
+            estimate_adafactor,
+            "adafactor",
+            trainer_fixed=TRAINER_ADAFACTOR,
+            step_temporaries=(2, 0),
+        ),
         OptimizerSpec(
             "adafactor_torch", build_adafactor_torch, estimate_adafactor_torch, step_temporaries=(1, 0)
         ),
-        OptimizerSpec(
-            "sgd",
-            build_sgd,
-            estimate_sgd,
-            "sgd",
-            lambda cfg: {"optim_args": f"momentum={cfg.optim.momentum}"},
-        ),
+        OptimizerSpec("sgd", build_sgd, estimate_sgd, "sgd", sgd_trainer_args),
         OptimizerSpec(
             "adamw_8bit",
             bnb_builder("adamw", 8),
@@ -471,6 +627,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             "adamw_bnb_8bit",
             adam_args,
             TRAINER_EMBEDDING_FP32,
+            {"min_8bit_size": BNB_MIN_8BIT_SIZE},
             ("bitsandbytes",),
         ),
         OptimizerSpec(
@@ -480,6 +637,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             "paged_adamw_8bit",
             adam_args,
             TRAINER_EMBEDDING_FP32,
+            {"min_8bit_size": BNB_MIN_8BIT_SIZE},
             ("bitsandbytes",),
         ),
         OptimizerSpec(
@@ -489,6 +647,7 @@ REGISTRY: dict[str, OptimizerSpec] = {
             "lion_8bit",
             adam_args,
             TRAINER_EMBEDDING_FP32,
+            {"min_8bit_size": BNB_MIN_8BIT_SIZE},
             ("bitsandbytes",),
         ),
         OptimizerSpec(
@@ -510,8 +669,10 @@ REGISTRY: dict[str, OptimizerSpec] = {
             lambda cfg: {
                 **adam_args(cfg),
                 "optim_target_modules": list(cfg.optim.target_modules),
-                "optim_args": ",".join(f"{k}={v}" for k, v in galore_kwargs(cfg).items()),
+                "optim_args": optim_args(**galore_kwargs(cfg)),
             },
+            # the Trainer's GaLore path passes no betas, eps or correct_bias: galore-torch's defaults
+            trainer_fixed={"betas": [0.9, 0.999], "eps": 1e-6, "correct_bias": True},
             requires=("galore_torch",),
             step_temporaries=(2, 0),
         ),
@@ -527,12 +688,32 @@ REGISTRY: dict[str, OptimizerSpec] = {
             build_schedule_free_adamw,
             estimate_schedule_free_adamw,
             "schedule_free_adamw",
-            adam_args,
+            schedule_free_trainer_args,
             requires=("schedulefree",),
             needs_train_eval_mode=True,
             step_temporaries=(0, 1),
         ),
     ]
+}
+
+
+# conf/optim keys added with issue 20, at the values every run before them used: a config hash leaves them out
+# at these values, so that a rerun still recognises the points recorded earlier (pipeline.runner.config_hash)
+_BNB_ADDED = {"min_8bit_size": BNB_MIN_8BIT_SIZE}
+_TORCHAO_ADDED = {"bf16_stochastic_round": False}
+ADDED_SETTINGS: dict[str, dict] = {
+    "adamw": {"amsgrad": False},
+    "adafactor": TRAINER_ADAFACTOR,
+    "adafactor_torch": {"beta2_decay": -0.8, "eps": [None, 1e-3], "d": 1.0},
+    "sgd": {"dampening": 0.0, "nesterov": False},
+    "adamw_8bit": _BNB_ADDED,
+    "paged_adamw_8bit": _BNB_ADDED,
+    "lion_8bit": _BNB_ADDED,
+    "adamw_torchao_8bit": _TORCHAO_ADDED,
+    "adamw_torchao_4bit": _TORCHAO_ADDED,
+    "adamw_torchao_fp8": _TORCHAO_ADDED,
+    "galore_adamw": {"correct_bias": True},
+    "schedule_free_adamw": {"r": 0.0, "weight_lr_power": 2.0},
 }
 
 

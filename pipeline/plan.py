@@ -385,7 +385,7 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
     _, model = fake_model(model_config, precision, checkpointing)
     params = optimizers.param_infos(model)
-    state = spec.estimate(params, cfg, spec.variant(cfg.backend.name), model.config).bytes / MB
+    state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
     steps = profile(model_config, precision, checkpointing, seq, names)
     fb = steps.parts(batch)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once

@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import learning_rate
 from pipeline.config import ConfigError, validate
-from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
+from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE, run_description
+from pipeline.optimizers import ADDED_SETTINGS
 
 SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (holds that run's id)
 
@@ -103,11 +104,17 @@ class Failure:
 
 def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> Failure | None:
     """Run the job in fresh process(es); None on success. An exception here (Ctrl-C) kills the job."""
-    from pipeline import placement
+    from pipeline import placement, quiet
 
-    # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps
+    try:
+        level = quiet.log_level(cfg)  # the job's console (pipeline.quiet)
+    except ValueError as err:  # a bad value: this point fails, the sweep goes on
+        return Failure("config", f"ConfigError: {err}")
+    # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps; what
+    # the environment sets wins
     env = {
         "TORCHINDUCTOR_CACHE_DIR": str(Path(cfg.outputs_dir).resolve() / "cache" / "torchinductor"),
+        **quiet.job_env(level),
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
         **ranks,
@@ -154,7 +161,7 @@ def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
 def config_hash(cfg: DictConfig) -> str:
     """What makes two jobs the same point: the resolved config, less where results go and `force`."""
     point = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("outputs_dir", "tracking", "force", "launcher"):
+    for key in ("outputs_dir", "tracking", "force", "launcher", "log_level"):
         point.pop(key, None)
     # keys added later count only when set, so points recorded before them are still recognised
     if point["train"].get("sharding") == "none":
@@ -164,6 +171,9 @@ def config_hash(cfg: DictConfig) -> str:
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)
+    for key, unset in ADDED_SETTINGS.get(point["optim"].get("name"), {}).items():
+        if point["optim"].get(key, unset) == unset:
+            point["optim"].pop(key, None)
     for group, key, unset in (
         ("train", "lr_scale", 1.0),
         ("eval", "every_steps", 0),
@@ -215,7 +225,7 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
 def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     """One point: skip it when it FINISHED before, else open its run (under the sweep's parent run, whose ids
     `sweep` holds; None for a single run), run its job process and record the result or the failure."""
-    from pipeline.tracking import Tracker
+    from pipeline.tracking import DESCRIPTION, Tracker, ui_url
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
@@ -242,7 +252,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             "config_hash": point,
         },
     )
-    print(f"[job] {name}: MLflow run {run_id}", flush=True)
+    print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
     try:
         failure = None
         try:
@@ -259,12 +269,18 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             failure = run_job_process(cfg, job_dir, pool_dir, ranks)
         if failure is None:
             result = result or json.loads((job_dir / RESULT_FILE).read_text())
-            tracker.log(run_id, result["metrics"], result["series"], result["params"], result["tags"])
+            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"])}
+            tracker.log(run_id, result["metrics"], result["series"], result["params"], tags)
+            if result.get("datasets"):
+                tracker.log_datasets(run_id, result["datasets"])
             tracker.end(run_id, "FINISHED")
             return Outcome(name, "FINISHED", result["metrics"].get(selection_metric(cfg)))
-        tracker.log(
-            run_id, failure.metrics, tags={"error": failure.summary, "failure_reason": failure.reason}
-        )
+        tags = {
+            "error": failure.summary,
+            "failure_reason": failure.reason,
+            DESCRIPTION: f"FAILED: {failure.line}",
+        }
+        tracker.log(run_id, failure.metrics, tags=tags)
         (job_dir / ERROR_FILE).write_text(failure.text)
         tracker.log_artifact(run_id, job_dir / ERROR_FILE)
         tracker.end(run_id, "FAILED")

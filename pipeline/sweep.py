@@ -16,8 +16,9 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from pipeline import browse
 from pipeline.runner import SKIPPED_FILE, Outcome
 from pipeline.tracking import Tracker
 
@@ -102,6 +103,26 @@ def mark_killed() -> None:
             tracker.end(run_id, "KILLED")
 
 
+JOB_KINDS = (("find_batch_size", "largest-batch search"), ("plan", "plan"))  # param == "True" -> kind
+PLURALS = {"training": "training", "largest-batch search": "largest-batch searches", "plan": "plans"}
+
+
+def job_kind(run) -> str:
+    """What a job run did: `training`, `largest-batch search` (find_batch_size=true) or `plan`."""
+    params = run.data.params
+    return next((kind for param, kind in JOB_KINDS if params.get(param) == "True"), "training")
+
+
+def count_line(runs) -> str:
+    """`3 jobs: 3 finished (2 training, 1 largest-batch search), 0 failed`: every finished job counts, and
+    the kinds are named when the sweep holds other jobs than training ones."""
+    finished = [job_kind(r) for r in runs if r.info.status == "FINISHED"]
+    kinds = {kind: finished.count(kind) for kind in dict.fromkeys(finished)}
+    named = ", ".join(f"{n} {kind if n == 1 else PLURALS[kind]}" for kind, n in kinds.items())
+    detail = f" ({named})" if set(kinds) - {"training"} else ""
+    return f"{len(runs)} jobs: {len(finished)} finished{detail}, {len(runs) - len(finished)} failed"
+
+
 def failed_job_lines(runs) -> list[str]:
     """`name (reason: error)` of every job run that did not finish, as the sweep's summary prints them."""
     return [
@@ -117,10 +138,14 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from pipeline.config import ConfigError, check_tracking_uri
+        from pipeline.fail_fast import point_independent_error
 
-        try:  # before MLflow's client would retry a dead server for minutes
-            check_tracking_uri(config)
-        except ConfigError as err:
+        try:  # a bad value no point escapes fails the command as a single run's does, before any run opens
+            err = point_independent_error(config)
+            check_tracking_uri(config)  # before MLflow's client would retry a dead server for minutes
+        except ConfigError as error:
+            err = error
+        if err is not None:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -162,18 +187,30 @@ class SweepCallback(Callback):
         skipped = list(Path(config.hydra.sweep.dir).glob(f"**/{SKIPPED_FILE}"))
         RESULT.skipped[:] = [path.parent.name for path in skipped]
         tracker.log(ids["parent_run_id"], metrics={"jobs": len(runs), "jobs_failed": len(failed)})
-        print(f"\n[sweep] {len(runs)} jobs, {len(failed)} failed; parent run {ids['parent_run_id']}")
+        print(f"\n[sweep] {count_line(runs)}; parent run {ids['parent_run_id']}")
+        tracker.describe(ids["parent_run_id"], count_line(runs))
+        status = "FAILED" if failed else "FINISHED"
         if runs:
-            self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir))
-        tracker.end(ids["parent_run_id"], "FAILED" if failed else "FINISHED")
+            metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
+            self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir), metric, status)
+        print(browse.sweep_line(tracker.uri, ids))
+        tracker.end(ids["parent_run_id"], status)
 
     @staticmethod
-    def _report(tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path) -> None:
+    def _report(
+        tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path, metric: str, status: str | None = None
+    ) -> None:
         """Build the sweep's report, log it to the parent run and print its short table."""
         try:
             from pipeline import report
 
-            out, table = report.build(tracker.uri, [parent_run_id], root=outputs_dir / "report")
+            out, table = report.build(
+                tracker.uri,
+                [parent_run_id],
+                root=outputs_dir / "report",
+                quality_metric=metric,
+                status=status,
+            )
             tracker.log_artifacts(parent_run_id, out, "report")
             print(report.console_text(out, table))
             print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")

@@ -1,4 +1,5 @@
-"""MLflow adapter: the store's URI, one client on it, experiments, runs and batched logging.
+"""MLflow adapter: the store's URI, one client on it, experiments, runs, batched logging, dataset inputs,
+saved views of the runs table and the UI's addresses.
 
 It knows nothing of sweeps, jobs or reports (pipeline.sweep and pipeline.runner use it), and imports nothing of
 ours but `pipeline` itself.
@@ -6,14 +7,32 @@ ours but `pipeline` itself.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 from omegaconf import DictConfig
 
 _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100  # MLflow's log_batch limits
 _MAX_TAG_CHARS = 8000
+# MLflow 3's UI: the experiment kind its "Machine learning" (model training) mode stands for, the URL
+# parameter that opens that mode (a fresh browser defaults to GenAI), a run's description, and a saved view of
+# the runs table (an experiment tag, listed under "Views", opened by `viewStateShareKey`); see docs/mlflow.md
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+MODEL_TRAINING = {"workflowType": "machine_learning"}
+DESCRIPTION = "mlflow.note.content"
+VIEW_TAG, VIEW_PARAM = "mlflow.sharedViewState.", "viewStateShareKey"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `make ui` serves a local store
+# `datasets` column types -> MLflow schema types (anything else is described as a string)
+_SCHEMA_TYPES = {
+    "int64": "long",
+    "int32": "integer",
+    "bool": "boolean",
+    "float32": "float",
+    "float64": "double",
+}
 
 
 def store_uri(uri: str | None, outputs_dir: str | Path) -> str:
@@ -23,6 +42,30 @@ def store_uri(uri: str | None, outputs_dir: str | Path) -> str:
         or os.environ.get("MLFLOW_TRACKING_URI")
         or f"sqlite:///{Path(outputs_dir).resolve() / 'mlflow.db'}"
     )
+
+
+def is_server(uri: str) -> bool:
+    """An MLflow tracking server (it serves its own UI at the same address), not a database or a folder."""
+    return uri.startswith(("http://", "https://"))
+
+
+def ui_url(
+    uri: str,
+    experiment_id: str | None = None,
+    run_id: str | None = None,
+    view: str | None = None,
+    local_ui: str = LOCAL_UI,
+) -> str:
+    """The UI's address of an experiment's runs table (`view`: a saved view's key), of one run, or of the
+    experiments list, in the model-training mode: a server's own address, else where `make ui` serves."""
+    base = uri.rstrip("/") if is_server(uri) else local_ui.rstrip("/")
+    path = (
+        "/experiments"
+        + (f"/{experiment_id}/runs" if experiment_id else "")
+        + (f"/{run_id}" if run_id else "")
+    )
+    query = {**MODEL_TRAINING, **({VIEW_PARAM: view} if view and not run_id else {})}
+    return f"{base}/#{path}?{urlencode(query)}"
 
 
 def _chunks(items: list, size: int):
@@ -36,6 +79,9 @@ class Tracker:
     def __init__(self, uri: str, outputs_dir: str | Path = "outputs"):
         from mlflow import MlflowClient
 
+        # MLflow's own "View run at" lines (a server store) open in the GenAI mode: ui_url's links replace
+        # them
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.uri = uri
         self.outputs_dir = Path(outputs_dir)
         if self.uri.startswith("sqlite:///"):
@@ -48,14 +94,50 @@ class Tracker:
         return cls(store_uri(cfg.tracking.uri, cfg.outputs_dir), cfg.outputs_dir)
 
     def experiment_id(self, name: str) -> str:
-        """Get or create the experiment; on a local store its artifacts go to outputs_dir/mlartifacts."""
+        """Get or create the experiment, marked as a model-training one; on a local store its artifacts go to
+        outputs_dir/mlartifacts."""
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
+            self.mark_model_training(experiment)
             return experiment.experiment_id
         location = None
         if self.uri.startswith("sqlite:"):
             location = (self.outputs_dir.resolve() / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location)
+        return self.client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+
+    def mark_model_training(self, experiment) -> None:
+        """Tag an experiment created before the kind was set (or by hand) as model training, as MLflow 3's UI
+        does when one picks "Machine learning" in the experiment's header; a kind set by a person is kept."""
+        key, kind = EXPERIMENT_KIND
+        if key not in experiment.tags:
+            self.client.set_experiment_tag(experiment.experiment_id, key, kind)
+
+    def save_view(self, experiment_id: str, key: str, name: str, state: dict) -> None:
+        """A saved view of the experiment's runs table (columns, their order and widths, sort), as the UI's
+        "Views > Save view" writes it (the envelope name / createdAt / updatedAt / state): listed under
+        "Views", opened by ui_url(..., view=key). Written only when absent or different (a person's
+        "Override saved view" of this one included); other views are never touched."""
+        tag, text = VIEW_TAG + key, json.dumps(state, sort_keys=True)
+        old = self.client.get_experiment(experiment_id).tags.get(tag)
+        try:
+            envelope = json.loads(old) if old else {}
+        except ValueError:
+            envelope = {}
+        envelope = envelope if isinstance(envelope, dict) else {}
+        if envelope.get("state") == text:
+            return
+        now = int(time.time() * 1000)
+        envelope = {
+            "name": name,
+            "createdAt": envelope.get("createdAt", now),
+            "updatedAt": now,
+            "state": text,
+        }
+        self.client.set_experiment_tag(experiment_id, tag, json.dumps(envelope))
+
+    def describe(self, run_id: str, text: str) -> None:
+        """The run's description (the UI's Description column and the run page's note)."""
+        self.client.set_tag(run_id, DESCRIPTION, text[:_MAX_TAG_CHARS])
 
     def start_run(self, experiment_id: str, name: str, parent_run_id: str | None = None, tags=None) -> str:
         tags = dict(tags or {})
@@ -82,6 +164,28 @@ class Tracker:
             self.client.log_batch(run_id, params=chunk)
         for chunk in _chunks(tags, _MAX_TAGS):
             self.client.log_batch(run_id, tags=chunk)
+
+    def log_datasets(self, run_id: str, datasets: list[dict]) -> None:
+        """Each dataset as one MLflow dataset input: name, digest, source, schema and row count (`profile`),
+        its role in the input tag `mlflow.data.context`, all in one log_inputs call. A dataset is a dict:
+        context, name, digest, rows, columns ({column: `datasets` dtype}) and source ({"uri": file URI} or
+        {"hub": path, "subset": name, "split": split})."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = []
+        for data in datasets:
+            meta = _meta_dataset(data).to_dict()
+            entity = Dataset(
+                name=meta["name"],
+                digest=meta["digest"],
+                source_type=meta["source_type"],
+                source=meta["source"],
+                schema=meta.get("schema"),
+                profile=json.dumps({"num_rows": data["rows"]}),
+            )
+            inputs.append(DatasetInput(entity, [InputTag(MLFLOW_DATASET_CONTEXT, data["context"])]))
+        self.client.log_inputs(run_id, datasets=inputs)
 
     def log_artifact(self, run_id: str, path: Path) -> None:
         self.client.log_artifact(run_id, str(path))
@@ -111,3 +215,22 @@ class Tracker:
         if status is not None:
             where += f" and attributes.status = '{status}'"
         return self.client.search_runs([experiment_id], filter_string=where, max_results=10000)
+
+
+def _meta_dataset(data: dict):
+    """mlflow.data's description of a dataset that stays where it is (MetaDataset): its source (a local file
+    or folder, or a Hugging Face hub dataset), name, digest and column schema."""
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+    from mlflow.types import ColSpec, Schema
+
+    where = data["source"]
+    if "uri" in where:
+        source = LocalArtifactDatasetSource(where["uri"])
+    else:
+        source = HuggingFaceDatasetSource(
+            path=where["hub"], config_name=where.get("subset"), split=where.get("split")
+        )
+    columns = [ColSpec(_SCHEMA_TYPES.get(dtype, "string"), name) for name, dtype in data["columns"].items()]
+    return MetaDataset(source, name=data["name"], digest=data["digest"], schema=Schema(columns))

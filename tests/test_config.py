@@ -39,7 +39,10 @@ def test_every_config_file_composes(group, name):
         ("train.max_steps=-3", "train.max_steps=-3 is invalid: must be a positive integer"),
         ("train.lr=0", "train.lr=0 is invalid: must be a number > 0"),
         ("train.max_length=1000", "train.max_length=1000 is invalid: model minilm takes at most 512 tokens"),
-        ("optim.name=adamx", f"optim.name='adamx' is invalid: allowed values are {', '.join(REGISTRY)}"),
+        (
+            "optim.name=adamx",
+            f"optim.name='adamx' is invalid: allowed values are {', '.join(REGISTRY)}; did you mean adamw?",
+        ),
         (
             "backend.name=deepspeed",
             "backend.name='deepspeed' is invalid: allowed values are trainer, accelerator",

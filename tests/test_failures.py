@@ -27,8 +27,11 @@ def files(tmp_path_factory):
 
 
 BAD_INPUT = [
-    (["optim=adamx"], f"optim=adamx is invalid: allowed values are {names('optim')}"),
-    (["-m", "optim=adamw,adamx"], f"optim=adamx is invalid: allowed values are {names('optim')}"),
+    (["optim=adamx"], f"optim=adamx is invalid: allowed values are {names('optim')}; did you mean adamw?"),
+    (
+        ["-m", "optim=adamw,adamx"],
+        f"optim=adamx is invalid: allowed values are {names('optim')}; did you mean adamw?",
+    ),
     (["model=bert-large"], f"model=bert-large is invalid: allowed values are {names('model')}"),
     (["data=imdb"], f"data=imdb is invalid: allowed values are {names('data')}"),
     (["backend=deepspeed"], "backend=deepspeed is invalid: allowed values are accelerator, trainer"),

@@ -3,7 +3,6 @@ memory the allocator holds outside tensors, paged state, steady-state throughput
 skips, more GPUs asked than visible, and the CPU tests hiding GPUs."""
 
 import os
-import types
 
 import pytest
 import torch
@@ -132,7 +131,7 @@ def test_a_run_whose_every_step_is_skipped_is_measured_not_crashed(tmp_path):
     for _ in range(6):
         collate([dict(tokenizer("a short review"), label=1), dict(tokenizer("and a longer one"), label=0)])
     out = TrainOutput(torch.optim.AdamW(tiny_model().parameters()), [0.7] * 6, {}, 1.5, memory, "cpu")
-    splits = types.SimpleNamespace(num_labels=2, train=[0] * 64, eval=[0] * 32, val=None)
+    splits = data.Splits(train=[0] * 64, eval=[0] * 32, label_names=["rotten", "fresh"])
     result = measurements.training_result(
         cfg, optimizers.get("adamw"), tiny_model(), splits, collate, out, timer, tmp_path
     )

@@ -4,6 +4,7 @@ import base64
 import io
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -100,6 +101,7 @@ def test_runs_csv_holds_every_param_and_metric_exactly(sweep, out):
                 "status",
                 "failure_reason",
                 "error",
+                "collapsed",
                 "start_time",
                 "end_time",
             )
@@ -285,3 +287,18 @@ def test_report_html_renders_in_headless_chromium(out, tmp_path):
     # the table's header background and the plots' bars (adamw blue, adafactor orange) are on the page
     for css_colour in ((0xEE, 0xF2, 0xF7), (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
         assert css_colour in colours, css_colour
+
+
+def test_the_page_leads_with_the_sweeps_status_and_the_decision_columns(out):
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    # written before the sweep closes its parent run, the header still gives the status it closes it with
+    assert re.search(r"^- sweep `sweep-[\d_-]+`: FAILED", md, re.M)  # (the batch_size=0 points failed)
+    assert "RUNNING" not in md
+    lead = md.split("## Comparison\n\n")[1].splitlines()[0]
+    assert lead == (
+        "| optimizer | batch size [samples] | n [seeds] | state [MB] | Δ state [%] | peak [MB] | Δ peak [%] "
+        "| eval F1 [0-1] | throughput [samples/s] |"
+    )
+    assert "(every row: model tiny, backend trainer, precision fp32)" in md
+    assert "### All columns" in md and re.search(r"<details><summary>All columns \(\d+\)</summary>", page)
+    assert "exponential moving average, weight 0.9" in page  # the loss plot's caption: its smoothing

@@ -89,7 +89,7 @@ def test_cpu_cores_are_split_between_parallel_jobs_and_their_ranks():
         (["launcher.nproc_per_job=-2"], "launcher.nproc_per_job=-2 is invalid: must be a positive integer"),
         (
             ["train.sharding=zero3"],
-            "train.sharding='zero3' is invalid: allowed values are none, zero1, fsdp",
+            "train.sharding='zero3' is invalid: allowed values are none, zero1, fsdp; did you mean zero1?",
         ),
         (
             ["train.sharding=zero1"],

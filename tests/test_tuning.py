@@ -73,9 +73,9 @@ def test_the_tune_lr_preset_declares_its_grid_seeds_and_budget():
 
 @pytest.fixture(scope="module")
 def tuning_sweep(tmp_path_factory):
-    """A small real tuning sweep: two optimizers x two rates x two seeds, validation every 2 of 4 steps."""
+    """A small real tuning sweep: two rates x two seeds, validation every 2 of 4 steps."""
     tmp = tmp_path_factory.mktemp("tuning")
-    args = ["-m", "model=tiny", "optim=adamw,sgd", "train.lr_scale=1,30", "seed=0,1", "backend=accelerator"]
+    args = ["-m", "model=tiny", "optim=sgd", "train.lr_scale=1,30", "seed=0,1", "backend=accelerator"]
     args += ["train.max_steps=4", "eval.every_steps=2", "data.max_train_samples=128"]
     args += ["data.max_val_samples=64", "data.max_eval_samples=64"]
     proc = run_cli(tmp, *args)
@@ -87,7 +87,7 @@ def test_the_task_function_returns_the_validation_metric(tuning_sweep):
     tmp, proc = tuning_sweep
     returned = sorted(float(v) for v in re.findall(r"returns val_macro_f1=([\d.]+)", proc.stdout))
     runs = sweep_runs(tmp)[1]
-    assert len(returned) == len(runs) == 8
+    assert len(returned) == len(runs) == 4
     assert returned == pytest.approx(sorted(r.data.metrics["val_macro_f1"] for r in runs), abs=1e-6)
 
 
@@ -104,3 +104,36 @@ def test_validation_series_rates_and_collapse_are_recorded(tuning_sweep):
         assert "eval_macro_f1" in metrics and 0.5 <= metrics["val_majority_accuracy"] <= 1
         collapsed = max(metrics["val_top_class_share"], metrics["eval_top_class_share"]) >= 0.95
         assert run.data.tags["collapsed"] == str(collapsed).lower()
+
+
+def test_the_report_picks_each_optimizers_best_validation_rate_and_reports_its_test_runs(tuning_sweep):
+    """The tuned table against the sweep's MLflow runs, computed here independently: per optimizer, the rate
+    with the best mean val_macro_f1 over seeds (among rates without a collapsed run, while there is one), and
+    the test macro-F1 of that rate's runs."""
+    import pandas as pd
+
+    tmp, _ = tuning_sweep
+    parent, runs = sweep_runs(tmp)
+    from pipeline import report
+
+    out, _ = report.build(f"sqlite:///{tmp / 'mlflow.db'}", [parent.info.run_id], root=tmp / "report")
+    tuned = pd.read_csv(out / "tuned.csv").set_index("optim")
+    frame = pd.DataFrame(
+        {
+            "optim": r.data.params["optim"],
+            "lr": float(r.data.params["lr"]),
+            "val": r.data.metrics["val_macro_f1"],
+            "test": r.data.metrics["eval_macro_f1"],
+            "collapsed": r.data.tags["collapsed"] == "true",
+        }
+        for r in runs
+    )
+    for optim, by_optim in frame.groupby("optim"):
+        per_rate = by_optim.groupby("lr").agg(val=("val", "mean"), collapsed=("collapsed", "any"))
+        eligible = per_rate[~per_rate.collapsed] if (~per_rate.collapsed).any() else per_rate
+        best = eligible.val.idxmax()
+        assert tuned.loc[optim, "best lr"] == pytest.approx(best)
+        at_best = by_optim[by_optim.lr == best]
+        assert tuned.loc[optim, "test macro-F1 [0-1]"] == pytest.approx(at_best.test.mean())
+        assert tuned.loc[optim, "n [seeds]"] == len(at_best) == 2
+    assert (out / "val_vs_lr.png").exists() and (out / "val_curves.png").exists()

@@ -112,9 +112,12 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     with (
         training_memory(cfg, spec, accelerator.device, model) as peak,
         optimizer_step_mode(spec, accelerator.device),
+        # closed on an exception too (out of memory, NaN): what is printed next starts on its own line
+        tqdm(
+            total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process, delay=0
+        ) as progress,
     ):
         start = time.perf_counter()
-        progress = tqdm(total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process)
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
             loss = model(**batch).loss
             # a sync per step, as the Trainer's logging: a NaN stops the run at once. Several ranks record the
@@ -135,7 +138,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
                     accelerator, model, optimizer, val_loader, spec, splits, "val"
                 ).items():
                     val_series.setdefault(key, {})[step] = value
-        progress.close()
         runtime = time.perf_counter() - start
 
     return TrainOutput(

@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from tqdm.auto import tqdm
+from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import has_length
 
-from pipeline import learning_rate
+from pipeline import learning_rate, quiet
 from pipeline.backends import (
     CHECKPOINTING_KWARGS,
     METRIC_KEYS,
@@ -29,9 +31,43 @@ class StopOnNonFiniteLoss(TrainerCallback):
             raise NonFiniteLoss(state.global_step, loss)
 
 
+class QuietProgress(ProgressCallback):
+    """The Trainer's progress bars without its per-step log dicts (`{'loss': ..., 'grad_norm': ...}`, one line
+    a step at logging_steps=1): the quiet console (pipeline.quiet). The training bar shows at once and stays;
+    an evaluation's bar shows only when the evaluation is slow (tqdm's delay) and is erased when it ends."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, dynamic_ncols=True, delay=0)
+        self.current_step = 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if state.is_world_process_zero and has_length(eval_dataloader):
+            if self.prediction_bar is None:
+                self.prediction_bar = tqdm(total=len(eval_dataloader), leave=False, dynamic_ncols=True)
+            self.prediction_bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass  # the log history keeps every entry: the losses are recorded from it, not from the console
+
+
+def close_progress_bars(trainer: Trainer) -> None:
+    """Close the bars of a training that raised (out of memory, NaN): the Trainer closes them only at the end
+    of a training, and an open bar would have the next printed line (a traceback, a probe's verdict) glued
+    onto it."""
+    for callback in trainer.callback_handler.callbacks:
+        for name in ("training_bar", "prediction_bar"):
+            bar = getattr(callback, name, None)
+            if bar is not None:
+                bar.close()
+                setattr(callback, name, None)
+
+
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
-    # the Trainer's own optim= string where it has one; otherwise it is handed the registry's optimizer
-    optim_args = {"optim": spec.trainer_optim, **spec.trainer_args(cfg)} if spec.trainer_optim else {}
+    # the Trainer's own optim= string where its path carries the config's settings; otherwise it is handed
+    # the registry's optimizer (the one the Accelerator loop builds)
+    optim = spec.trainer_string(cfg)
+    optim_args = {"optim": optim, **spec.trainer_args(cfg)} if optim else {}
     checkpointing = checkpointing_name(TrainingArguments)  # the Trainer enables it on the model at train()
     # periodic validation: the Trainer's own eval_strategy="steps" on the validation split
     every = cfg.eval.get("every_steps", 0) if splits.val is not None and evaluate else 0
@@ -73,12 +109,19 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         eval_dataset=splits.val if every else splits.eval,
         data_collator=collate,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
-        optimizers=(None, None) if spec.trainer_optim else (spec.build(model, cfg), None),
+        optimizers=(None, None) if optim else (spec.build(model, cfg), None),
         callbacks=[StopOnNonFiniteLoss()],
     )
+    if quiet.is_quiet():
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(QuietProgress())
     with training_memory(cfg, spec, args.device, model) as peak, optimizer_step_mode(spec, args.device):
         start = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        except BaseException:
+            close_progress_bars(trainer)
+            raise
         runtime = time.perf_counter() - start
     history = trainer.state.log_history
     losses = [entry["loss"] for entry in history if "loss" in entry]

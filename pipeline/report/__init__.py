@@ -5,13 +5,17 @@ difference against the baseline optimizer (AdamW) of the same model, batch size 
 costs in loss, accuracy, F1 and speed; seeds are aggregated to mean ± sample std. The report reads only what
 the tracker wrote: child runs by `mlflow.search_runs`, loss curves by `MlflowClient.get_metric_history`.
 
+Where an optimizer ran at several learning rates in a point, a tuned section: each optimizer at the rate
+with the best mean validation metric over seeds, compared on the held-out test split with Welch's test
+against the baseline (tuned.py).
+
 Writes report.md, report.html (self-contained), runs.csv (one row per job), comparison.csv (the table as
-numbers) and PNG plots to outputs/report/<sweep>/.
+numbers), tuned.csv (where rates were tuned) and PNG plots to outputs/report/<sweep>/.
 """
 
 from pipeline.report.cli import main
 from pipeline.report.columns import BASELINE, COLUMNS
-from pipeline.report.plots import PLOTS
+from pipeline.report.plots import PLOTS, TUNED_PLOTS
 from pipeline.report.render import build, console_text, write_report
 from pipeline.report.runs import (
     EXPERIMENT,
@@ -21,15 +25,19 @@ from pipeline.report.runs import (
     job_table,
     loss_history,
     search_jobs,
+    validation_history,
 )
 from pipeline.report.tables import compare, console_table, failed_table, fit_table, format_table, pareto_front
+from pipeline.report.tuned import Tuned, format_tuned, is_tuned, rate_note, tuned_section, welch
 
 __all__ = [
     "BASELINE",
     "COLUMNS",
     "EXPERIMENT",
     "PLOTS",
+    "TUNED_PLOTS",
     "ReportError",
+    "Tuned",
     "build",
     "compare",
     "console_table",
@@ -39,10 +47,16 @@ __all__ = [
     "find_sweeps",
     "fit_table",
     "format_table",
+    "format_tuned",
+    "is_tuned",
     "job_table",
     "loss_history",
     "main",
     "pareto_front",
+    "rate_note",
     "search_jobs",
+    "tuned_section",
+    "validation_history",
+    "welch",
     "write_report",
 ]

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.report.columns import BASELINE
+from pipeline.report.columns import BASELINE, QUALITY, QUALITY_METRICS, TARGET_FRACTION
 from pipeline.report.render import build, console_text
 from pipeline.report.runs import EXPERIMENT, ReportError, default_tracking_uri
 
@@ -15,7 +15,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.report",
         description="Comparison report of a sweep's MLflow runs: report.md, report.html, runs.csv, "
-        "comparison.csv and PNG plots. Default: the latest sweep of the experiment.",
+        "comparison.csv (tuned.csv where learning rates were tuned) and PNG plots. Default: the latest sweep "
+        "of the experiment.",
     )
     parser.add_argument(
         "--sweep",
@@ -41,9 +42,26 @@ def main(argv=None) -> int:
         "--out", type=Path, metavar="DIR", help="output folder (default: outputs/report/<sweep run name>/)"
     )
     parser.add_argument("--baseline", default=BASELINE, help="optimizer the Δ columns compare against")
+    parser.add_argument(
+        "--quality-metric",
+        default=QUALITY,
+        choices=list(QUALITY_METRICS),
+        help="where an optimizer ran at several learning rates: the validation metric (val_<metric>) that "
+        "picks its rate, and the test metric (eval_<metric>) compared (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--target-fraction",
+        type=float,
+        default=TARGET_FRACTION,
+        metavar="F",
+        help="steps to target: the first step at which an optimizer's mean validation metric reaches F x "
+        "the best final one among the optimizers of its point (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.sweep and args.whole_experiment:
         parser.error("--sweep and --whole-experiment exclude each other")
+    if not 0 < args.target_fraction <= 1:
+        parser.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
     uri = default_tracking_uri(args.tracking_uri)
     # a missing sqlite file would be created empty by MLflow: say what is wrong instead
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
@@ -51,11 +69,19 @@ def main(argv=None) -> int:
         return 2
     try:
         out, table = build(
-            uri, args.sweep, args.experiment, args.whole_experiment, args.out, baseline=args.baseline
+            uri,
+            args.sweep,
+            args.experiment,
+            args.whole_experiment,
+            args.out,
+            baseline=args.baseline,
+            quality_metric=args.quality_metric,
+            target_fraction=args.target_fraction,
         )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(console_text(out, table))
-    print(f"\nreport: {out / 'report.html'} ({out / 'report.md'}, runs.csv, comparison.csv, plots)")
+    tuned = ", tuned.csv" if (out / "tuned.csv").exists() else ""
+    print(f"\nreport: {out / 'report.html'} ({out / 'report.md'}, runs.csv, comparison.csv{tuned}, plots)")
     return 0

@@ -7,6 +7,7 @@ GROUP = ["model", "batch_size", "backend", "precision"]
 OTHER_SETTINGS = [
     "data",
     "lr",
+    "lr_scale",
     "max_steps",
     "max_length",
     "weight_decay",
@@ -14,6 +15,8 @@ OTHER_SETTINGS = [
     "world_size",
     "sharding",
 ]
+# the learning rate: a setting of its own only where an optimizer ran at more than one (see point_columns)
+RATES = ["lr", "lr_scale"]
 # comparison-table column (unit in brackets) <- MLflow metric
 COLUMNS = {
     "state [MB]": "optimizer_state_mb",
@@ -42,10 +45,14 @@ SEEDS = "n [seeds]"
 KEY_LABELS = {
     "optim": "optimizer",
     "batch_size": "batch size [samples]",
+    "lr_scale": "lr scale",
     "max_steps": "max steps [steps]",
     "max_length": "max length [tokens]",
     "weight_decay": "weight decay",
 }
+# the comparison's lead table (after the optimizer and the settings that differ between rows): what the
+# choice of an optimizer turns on; the other columns sit in the "All columns" table below it
+DECISION = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval F1 [0-1]", "throughput [samples/s]"]
 CONSOLE = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval loss [nats]", "eval F1 [0-1]"]
 CONSOLE += ["throughput [samples/s]"]
 LEGEND = {
@@ -73,6 +80,33 @@ LEGEND = {
     "MFU [0-1]": "model FLOPs utilisation: 6 × parameters × tokens/s against the device's peak for the precision",
     "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
 }
+# the tuned section: the quality metric that picks each optimizer's rate (val_<metric> on the validation
+# split) and that the optimizers are compared on (eval_<metric> on the held-out test split) -> its label
+QUALITY_METRICS = {"macro_f1": "macro-F1", "f1": "F1", "accuracy": "accuracy"}
+QUALITY = "macro_f1"
+TARGET_FRACTION = 0.97  # steps to target: this share of the point's best final validation value
+UNTUNED_NOTE = (
+    "F1 is compared at untuned rates (one learning rate per optimizer); "
+    "see docs/tuning.md for the tuned protocol."
+)
+TUNED_LEGEND = {
+    "rates tried": "the learning rates (`lr`) this optimizer finished at in this point, smallest first",
+    "best lr, best lr scale": "the rate with the highest mean over seeds of the validation metric "
+    "(`val_<metric>`, validation split carved from the training data); a rate with a collapsed run is never "
+    "chosen while another rate has none; ties go to the smaller rate",
+    "edge": "the best rate is the lowest or highest tried: the optimum may lie outside the grid, "
+    "widen it there",
+    "collapsed [runs]": "runs (all rates) whose predictions are (nearly) all one class (tag `collapsed`)",
+    "val <metric> [0-1]": "the selection metric at the best rate (validation split)",
+    "test macro-F1 / F1 [0-1]": "at the best rate, on the held-out test split (`eval_macro_f1`, `eval_f1`)",
+    "Δ test <metric> [0-1]": "test metric minus the baseline's, each at its own best rate",
+    "p (Welch), n vs baseline": "Welch's two-sided t-test (unequal variances) over seeds of the test metric "
+    "against the baseline at its best rate; empty when either side has fewer than 2 seeds",
+    "state / peak [MB]": "optimizer state and peak memory at the best rate",
+    "steps to target [steps]": "first evaluation step at which the mean over seeds of the validation metric "
+    "reaches the target (target fraction × the point's best final validation value); empty without history",
+}
+
 # the largest-batch table (find_batch_size=true jobs) <- MLflow metric
 FIT_KEYS = ["model", "backend", "precision", "max_length", "memory_budget_mb", "optim"]
 FIT_COLUMNS = {

@@ -1,5 +1,6 @@
 """The report's PNG plots (matplotlib, Agg): optimizer state, peak memory, F1 against peak, loss curves,
-throughput and the peak's breakdown."""
+throughput and the peak's breakdown; where learning rates were tuned, the validation metric against the rate
+and over steps."""
 
 from __future__ import annotations
 
@@ -7,18 +8,36 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from pipeline.report.tables import pareto_front, point_columns
+from pipeline.report.tuned import tuned_points
 
+# the training-loss plot's smoothing: an exponential moving average with this weight on the previous value
+# (about the last 1 / (1 - weight) = 10 steps), bias-corrected so that its first steps are not pulled to 0
+EMA_WEIGHT = 0.9
 PLOTS = {
     "state_mb.png": "Optimizer state per optimizer (log scale)",
     "peak_memory.png": "Peak memory per optimizer and batch size (error bars: std over seeds)",
     "f1_vs_peak.png": "Eval F1 against peak memory; the Pareto front (less memory, higher F1) is marked",
-    "train_loss.png": "Training loss per optimizer (line: mean over seeds, band: min to max)",
+    "train_loss.png": "Training loss per optimizer (line: exponential moving average, weight "
+    f"{EMA_WEIGHT}, of the mean over seeds; faint: the raw per-step mean, band: min to max over seeds)",
     "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
     "peak_breakdown.png": "What the peak is made of (profiled step), with the measured and the predicted peak",
 }
+# the tuned section's plots ({} = the quality metric's label), drawn only where learning rates were tuned
+TUNED_PLOTS = {
+    "val_vs_lr.png": "Validation {} against the learning rate (line: mean over seeds, band: ± std; ring: the "
+    "chosen rate, x: a rate with a collapsed run)",
+    "val_curves.png": "Validation {} over training steps at each optimizer's chosen rate (mean over seeds; "
+    "dotted: the steps-to-target target)",
+}
+# f1_vs_peak.png's caption when the tuned section exists: its points are then the tuned ones
+TUNED_F1_CAPTION = (
+    "Test {} at each optimizer's tuned learning rate against peak memory; the Pareto front (less memory, "
+    "higher {}) is marked"
+)
 BREAKDOWN = {
     "weights": "peak: weights [MB]",
     "gradients": "peak: gradients [MB]",
@@ -127,8 +146,12 @@ def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
     fig.savefig(path)
 
 
-def plot_f1_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
-    x, y = "peak [MB]", "eval F1 [0-1]"
+def plot_f1_peak(
+    table: pd.DataFrame, colors: dict, path: Path, y: str = "eval F1 [0-1]", name: str = "eval F1"
+) -> None:
+    """`y` against peak memory, one point per row, the Pareto front marked (the comparison's eval F1, or the
+    tuned table's test metric at each optimizer's best rate)."""
+    x = "peak [MB]"
     fig, ax = _figure()
     points = table.assign(label=_labels(table, point_columns(table)), front=pareto_front(table, x, y))
     for optim, rows in points.groupby("optim", sort=False):
@@ -141,14 +164,27 @@ def plot_f1_peak(table: pd.DataFrame, colors: dict, path: Path) -> None:
     ax.plot(front[x], front[y], "k--", drawstyle="steps-post", lw=1, label="Pareto front")
     ax.scatter(front[x], front[y], s=220, facecolors="none", edgecolors="k", lw=1.2)
     ax.set_xlabel("peak memory while training [MB]")
-    ax.set_ylabel("eval F1")
-    ax.set_title("Eval F1 against peak memory (up and left is better)")
+    ax.set_ylabel(name)
+    ax.set_title(f"{name[0].upper()}{name[1:]} against peak memory (up and left is better)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path)
 
 
+def ema(values, weight: float = EMA_WEIGHT) -> np.ndarray:
+    """Exponential moving average, bias-corrected (as Adam's moments): s_t = w s_(t-1) + (1 - w) x_t from
+    s_0 = 0, divided by 1 - w^t; a NaN (a step not logged) leaves the average where it was."""
+    out, running, weights = [], 0.0, 0.0
+    for value in np.asarray(values, dtype=float):
+        if not np.isnan(value):
+            running, weights = weight * running + (1 - weight) * value, weight * weights + (1 - weight)
+        out.append(running / weights if weights else np.nan)
+    return np.array(out)
+
+
 def plot_losses(history: pd.DataFrame, jobs: pd.DataFrame, colors: dict, path: Path) -> None:
+    """Per optimizer (and point): the loss smoothed (EMA) over the faint raw per-step mean and its band over
+    seeds; raw losses of a few optimizers cross each other at every step."""
     keys = point_columns(jobs[jobs.status == "FINISHED"])
     curves = history.merge(jobs[["run_id", "optim", *keys]], on="run_id")
     curves = curves.groupby(["optim", *keys, "step"], sort=False).train_loss.agg(["mean", "min", "max"])
@@ -160,14 +196,67 @@ def plot_losses(history: pd.DataFrame, jobs: pd.DataFrame, colors: dict, path: P
         for optim, curve in by_label.groupby("optim", sort=False):
             curve = curve.sort_values("step")
             color, style = colors[optim], styles[i % len(styles)]
-            ax.plot(curve.step, curve["mean"], style, color=color, label=f"{optim} · {label}")
-            ax.fill_between(curve.step, curve["min"], curve["max"], color=color, alpha=0.15, lw=0)
+            ax.plot(curve.step, curve["mean"], style, color=color, alpha=0.3, lw=0.8)
+            ax.fill_between(curve.step, curve["min"], curve["max"], color=color, alpha=0.1, lw=0)
+            ax.plot(curve.step, ema(curve["mean"]), style, color=color, lw=2, label=f"{optim} · {label}")
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss [nats]")
-    ax.set_title("Training loss per optimizer")
+    ax.set_title(f"Training loss per optimizer (EMA, weight {EMA_WEIGHT}; faint: raw)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=2, title=f"EMA, weight {EMA_WEIGHT}", title_fontsize=8)
+    fig.savefig(path)
+
+
+def plot_val_vs_lr(rates: pd.DataFrame, colors: dict, path: Path, name: str = "macro-F1") -> None:
+    """The tuned section's rate table: validation metric against the learning rate (log x), one line per
+    optimizer (and point), band ± std over seeds, the chosen rate ringed, a rate with a collapsed run
+    crossed."""
+    fig, ax = _figure()
+    styles = ["-", "--", ":", "-."]
+    points = rates.assign(label=_labels(rates, tuned_points(rates)))
+    for i, (label, at_point) in enumerate(points.groupby("label", sort=False)):
+        for optim, line in at_point.groupby("optim", sort=False):
+            line, color, style = line.sort_values("lr"), colors[optim], styles[i % len(styles)]
+            ax.plot(line.lr, line["mean"], style, marker="o", ms=4, color=color, label=f"{optim} · {label}")
+            spread = line["std"].fillna(0)
+            ax.fill_between(
+                line.lr, line["mean"] - spread, line["mean"] + spread, color=color, alpha=0.15, lw=0
+            )
+            best, collapsed = line[line.best], line[line.collapsed > 0]
+            ax.scatter(best.lr, best["mean"], s=180, facecolors="none", edgecolors=color, lw=1.5)
+            ax.scatter(collapsed.lr, collapsed["mean"], marker="x", s=70, color=color)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (log scale)")
+    ax.set_ylabel(f"validation {name}")
+    ax.set_title(f"Validation {name} against the learning rate")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, ncols=2)
+    fig.savefig(path)
+
+
+def plot_val_curves(curves: pd.DataFrame, colors: dict, path: Path, name: str = "macro-F1") -> None:
+    """The validation series at each optimizer's chosen rate (mean over seeds by step), with each point's
+    steps-to-target target dotted."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure()
+    styles = ["-", "--", ":", "-."]
+    points = curves.assign(label=_labels(curves, tuned_points(curves)))
+    for i, (label, at_point) in enumerate(points.groupby("label", sort=False)):
+        style = styles[i % len(styles)]
+        for optim, curve in at_point.groupby("optim", sort=False):
+            curve, color = curve.sort_values("step"), colors[optim]
+            ax.plot(
+                curve.step, curve["mean"], style, marker="o", ms=3, color=color, label=f"{optim} · {label}"
+            )
+        ax.axhline(at_point.target.max(), ls=":", color="0.4", lw=1, label=f"target · {label}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"validation {name}")
+    ax.set_title(f"Validation {name} at each optimizer's chosen rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncols=2)
     fig.savefig(path)

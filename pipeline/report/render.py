@@ -1,5 +1,5 @@
-"""The report's files (report.md, report.html, runs.csv, comparison.csv, fits.csv, plots) and console text;
-`build` runs the whole pipeline: read the runs -> tables -> plots -> files."""
+"""The report's files (report.md, report.html, runs.csv, comparison.csv, tuned.csv, fits.csv, plots) and
+console text; `build` runs the whole pipeline: read the runs -> tables -> plots -> files."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.report.columns import BASELINE, LEGEND
+from pipeline.report.columns import BASELINE, LEGEND, QUALITY, QUALITY_METRICS, TARGET_FRACTION, TUNED_LEGEND
 from pipeline.report.plots import (
     BREAKDOWN,
     PLOTS,
+    TUNED_F1_CAPTION,
+    TUNED_PLOTS,
     _colors,
     _labels,
     plot_breakdown,
@@ -22,14 +24,25 @@ from pipeline.report.plots import (
     plot_peak,
     plot_state,
     plot_throughput,
+    plot_val_curves,
+    plot_val_vs_lr,
 )
-from pipeline.report.runs import EXPERIMENT, OUTPUTS, find_sweeps, job_table, loss_history, search_jobs
+from pipeline.report.runs import (
+    EXPERIMENT,
+    OUTPUTS,
+    find_sweeps,
+    job_table,
+    loss_history,
+    search_jobs,
+    validation_history,
+)
 from pipeline.report.tables import (
     _fmt,
     _optimizer_order,
     _plain,
     compare,
     console_table,
+    decision_table,
     failed_table,
     fit_table,
     format_table,
@@ -40,6 +53,7 @@ from pipeline.report.tables import (
     plan_table,
     point_columns,
 )
+from pipeline.report.tuned import Tuned, format_tuned, is_tuned, rate_note, tuned_console, tuned_section
 
 
 def _markdown(frame: pd.DataFrame) -> str:
@@ -50,14 +64,32 @@ def _markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def _about(uri: str, sweeps: pd.DataFrame | None, jobs: pd.DataFrame, baseline: str) -> list[str]:
+def sweep_status(sweep: dict, jobs: pd.DataFrame, status: str | None = None) -> str:
+    """A sweep's status for the header: `status` when its caller knows it (the sweep's end builds the report
+    before it closes the parent run), else the store's; a parent run still RUNNING whose jobs have all ended
+    gets the status its jobs give it (FAILED when one did not finish, as the sweep closes it), marked so."""
+    if status:
+        return status
+    if sweep["status"] != "RUNNING":
+        return sweep["status"]
+    mine = jobs[jobs.sweep_run_id == sweep["run_id"]] if "sweep_run_id" in jobs else jobs
+    if mine.empty or (mine.status == "RUNNING").any():
+        return "RUNNING"
+    ended = "FINISHED" if (mine.status == "FINISHED").all() else "FAILED"
+    return f"{ended} (from its jobs: the parent run is still open)"
+
+
+def _about(
+    uri: str, sweeps: pd.DataFrame | None, jobs: pd.DataFrame, baseline: str, status: str | None = None
+) -> list[str]:
     """The report's preamble: where the numbers come from and how to read them, one markdown item each."""
     lines = [f"store: `{uri}`"]
     for sweep in [] if sweeps is None else sweeps.to_dict("records"):
         overrides = sweep.get("tags.overrides") or ""
         lines.append(
-            f"sweep `{sweep['tags.mlflow.runName']}` (run `{sweep['run_id']}`, {sweep['status']}, "
-            f"started {sweep['start_time']:%Y-%m-%d %H:%M:%S} UTC): `{overrides}`"
+            f"sweep `{sweep['tags.mlflow.runName']}`: {sweep_status(sweep, jobs, status)}; "
+            f"run `{sweep['run_id']}`, started {sweep['start_time']:%Y-%m-%d %H:%M:%S} UTC; "
+            f"overrides `{overrides}`"
         )
     finished = int((jobs.status == "FINISHED").sum())
     lines.append(f"jobs: {len(jobs)}, {finished} finished, {len(jobs) - finished} not finished")
@@ -81,11 +113,16 @@ def write_report(
     baseline: str = BASELINE,
     fits: pd.DataFrame | None = None,
     plans: pd.DataFrame | None = None,
+    tuned: Tuned | None = None,
 ) -> None:
-    """report.md, report.html, runs.csv, comparison.csv (fits.csv, plan.csv) and the PNG plots, into `out`."""
+    """report.md, report.html, runs.csv, comparison.csv (tuned.csv, fits.csv, plan.csv) and the PNG plots,
+    into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     jobs.to_csv(out / "runs.csv", index=False)
     table.to_csv(out / "comparison.csv", index=False)
+    (out / "tuned.csv").unlink(missing_ok=True)
+    if tuned is not None:
+        tuned.table.to_csv(out / "tuned.csv", index=False)
     fits = pd.DataFrame() if fits is None else fits
     (out / "fits.csv").unlink(missing_ok=True)
     if len(fits):
@@ -94,26 +131,57 @@ def write_report(
     (out / "plan.csv").unlink(missing_ok=True)
     if len(plans):
         plans.to_csv(out / "plan.csv", index=False)
-    for stale in PLOTS:
+    for stale in [*PLOTS, *TUNED_PLOTS]:
         (out / stale).unlink(missing_ok=True)
+    captions = dict(PLOTS)
+    # with tuned rates, quality is compared at each optimizer's best rate: the F1 picture uses those points
+    quality, y, name = table, "eval F1 [0-1]", "eval F1"
+    if tuned is not None:
+        label = QUALITY_METRICS[tuned.metric]
+        captions |= {file: caption.format(label) for file, caption in TUNED_PLOTS.items()}
+        captions["f1_vs_peak.png"] = TUNED_F1_CAPTION.format(label, label)
+        quality, y, name = tuned.table, f"test {label} [0-1]", f"test {label}"
     if not table.empty:
         colors = _colors(_optimizer_order(table.optim, baseline))
         plot_state(table, colors, out / "state_mb.png")
         plot_peak(table, colors, out / "peak_memory.png")
-        if table["eval F1 [0-1]"].notna().any():
-            plot_f1_peak(table, colors, out / "f1_vs_peak.png")
+        if quality[y].notna().any():
+            plot_f1_peak(quality, colors, out / "f1_vs_peak.png", y, name)
         if not history.empty:
             plot_losses(history, jobs, colors, out / "train_loss.png")
         if table["throughput [tokens/s]"].notna().any():
             plot_throughput(table, colors, out / "throughput.png")
         if table[list(BREAKDOWN.values())].notna().all(axis=1).any():
             plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png")
-    plots = {name: caption for name, caption in PLOTS.items() if (out / name).exists()}
+        if tuned is not None:
+            plot_val_vs_lr(tuned.rates, colors, out / "val_vs_lr.png", label)
+            if not tuned.curves.empty:
+                plot_val_curves(tuned.curves, colors, out / "val_curves.png", label)
+    plots = {file: caption for file, caption in captions.items() if (out / file).exists()}
     shown, failed = format_table(table), failed_table(jobs)
+    lead, shared = decision_table(table) if len(table) else (pd.DataFrame(), "")
+    details_title = "All columns"
     front = "none"
-    if not table.empty:
-        front = ", ".join(_labels(table, ["optim", *point_columns(table)])[pareto_front(table)]) or "none"
-    legend = pd.DataFrame(LEGEND.items(), columns=["column", "meaning"])
+    if not quality.empty:
+        labels = _labels(quality, ["optim", *point_columns(quality)])
+        front = ", ".join(labels[pareto_front(quality, y=y)]) or "none"
+    higher = name if tuned is not None else "F1"
+    front = f"Pareto front (no other point has less peak memory and a higher {higher}): {front}."
+    legend = pd.DataFrame(
+        {**LEGEND, **(TUNED_LEGEND if tuned is not None else {})}.items(), columns=["column", "meaning"]
+    )
+    tuned_title = "Tuned learning rate"
+    tuned_shown, tuned_note = pd.DataFrame(), ""
+    if tuned is not None:
+        tuned_shown = format_tuned(tuned.table)
+        tuned_note = (
+            f"(each optimizer at the learning rate with the highest mean validation {label} over seeds "
+            f"(`val_{tuned.metric}`, validation split carved out of the training data); test figures on the "
+            f"held-out test split (`eval_*`), mean ± sample std; Δ and p against `{baseline}` at its own "
+            f"best rate, p = Welch's two-sided t-test over seeds; edge: the best rate is the lowest or highest "
+            f"tried, widen the grid there; steps to target: the first evaluation step at which the mean "
+            f"validation {label} reaches {tuned.target_fraction:g} × the best final one in the point)"
+        )
 
     fit_title = "Largest batch that fits in " + (
         " / ".join(f"{_fmt(b)} MB" for b in fits["budget [MB]"].unique()) if len(fits) else "the budget"
@@ -127,13 +195,18 @@ def write_report(
     md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
-    md += ["## Comparison", "", _markdown(shown) if len(shown) else "No finished training jobs.", ""]
+    md += ["## Comparison", "", _markdown(lead) if len(lead) else "No finished training jobs.", ""]
+    if len(shown):
+        md += [f"({shared})", ""] if shared else []
+        md += [f"### {details_title}", "", _markdown(shown), ""]
+    if len(tuned_shown):
+        md += [f"## {tuned_title}", "", tuned_note, "", _markdown(tuned_shown), ""]
     if len(fits):
         md += [f"## {fit_title}", "", fit_note, "", _markdown(_plain(fits)), ""]
     md += ["## Failed jobs", ""]
     md += [_markdown(failed) if len(failed) else "None.", "", "## Plots", ""]
     md += [f"![{caption}]({name})\n\n*{caption}*\n" for name, caption in plots.items()]
-    md += [f"Pareto front (no other point has less peak memory and a higher F1): {front}.", ""]
+    md += [front, ""]
     md += ["## Columns", "", _markdown(legend), ""]
     (out / "report.md").write_text("\n".join(md))
 
@@ -148,9 +221,19 @@ def write_report(
         img = f'<img src="data:image/png;base64,{data}" alt="{html.escape(plots[name])}">'
         return f"<figure>{img}<figcaption>{html.escape(plots[name])}</figcaption></figure>"
 
-    items = re.sub(
-        r"`([^`]*)`", r"<code>\1</code>", "".join(f"<li>{html.escape(line)}</li>" for line in about)
-    )
+    def code(text: str) -> str:  # escaped, markdown `code` as <code>
+        return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+
+    items = "".join(f"<li>{code(line)}</li>" for line in about)
+    details_html = ""
+    if len(shown):  # every column, one click away (a wide table: it scrolls, the page does not)
+        details_html = f"<p>{html.escape(f'({shared})')}</p>" if shared else ""
+        details_html += f"<details><summary>{details_title} ({len(shown.columns)})</summary>"
+        details_html += f'<div class="wide">{table_html(shown)}</div></details>'
+    tuned_html = ""
+    if len(tuned_shown):
+        tuned_html = f"\n<h2>{tuned_title}</h2><p>{code(tuned_note)}</p>"
+        tuned_html += f'<div class="wide">{table_html(tuned_shown)}</div>'
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -166,14 +249,16 @@ figure {{ display: inline-block; margin: 0 1em 1em 0; }}
 img {{ max-width: 880px; border: 1px solid #ddd; }}
 figcaption {{ font-size: 13px; color: #555; }}
 .wide {{ overflow-x: auto; }}  /* many columns: the table scrolls, the page does not */
+details {{ margin-bottom: 1.5em; }}
+summary {{ cursor: pointer; color: #1f4e99; margin-bottom: 0.5em; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
 {f"<h2>{plan_title}</h2><p>{plan_note}</p>{table_html(plan_display(plans))}" if len(plans) else ""}
-<h2>Comparison</h2><div class="wide">{table_html(shown, "No finished training jobs.")}</div>
+<h2>Comparison</h2>{table_html(lead, "No finished training jobs.")}{details_html}{tuned_html}
 {f"<h2>{html.escape(fit_title)}</h2><p>{fit_note}</p>{table_html(_plain(fits))}" if len(fits) else ""}
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
 <h2>Plots</h2>{"".join(image(name) for name in plots)}
-<p>Pareto front (no other point has less peak memory and a higher F1): {html.escape(front)}.</p>
+<p>{html.escape(front)}</p>
 <h2>Columns</h2>{table_html(legend, css="text")}
 </body></html>
 """
@@ -181,8 +266,13 @@ figcaption {{ font-size: 13px; color: #555; }}
 
 
 def console_text(out: Path, table: pd.DataFrame) -> str:
-    """What a sweep and `make report` print: the short table, and the largest batches when searched."""
+    """What a sweep and `make report` print: the short table, the tuned one when rates were tuned, and the
+    largest batches when searched."""
     text = console_table(table) if len(table) else "no finished training jobs"
+    if (out / "tuned.csv").exists():
+        tuned = pd.read_csv(out / "tuned.csv")
+        text += "\n\ntuned learning rate (each optimizer at its best validation rate; test split):\n"
+        text += tuned_console(tuned)
     if (out / "plan.csv").exists():
         plans = pd.read_csv(out / "plan.csv")
         text = (
@@ -190,9 +280,9 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
             + plan_display(plans).to_string(index=False)
             + ("\n\n" + text if len(table) else "")
         )
-    if (out / "fits.csv").exists():
-        fits = pd.read_csv(out / "fits.csv")
-        text += "\n\nlargest batch that fits:\n" + _plain(fits).to_string(index=False)
+    if (out / "fits.csv").exists():  # a sweep of searches only: their table is the whole story
+        fits = "largest batch that fits:\n" + _plain(pd.read_csv(out / "fits.csv")).to_string(index=False)
+        text = text + "\n\n" + fits if len(table) else fits
     return text
 
 
@@ -204,18 +294,31 @@ def build(
     out: Path | None = None,
     root: Path = Path(OUTPUTS) / "report",
     baseline: str = BASELINE,
+    quality_metric: str = QUALITY,
+    target_fraction: float = TARGET_FRACTION,
+    status: str | None = None,
 ) -> tuple[Path, pd.DataFrame]:
-    """Read the runs, write the report to `out` (default root/<sweep name>); the folder and the table."""
+    """Read the runs, write the report to `out` (default root/<sweep name>); the folder and the table.
+    `quality_metric` (macro_f1, f1, accuracy) picks each optimizer's rate where rates were tuned, and
+    `target_fraction` sets the steps-to-target target; `status`: the sweep's final status, from a caller that
+    builds the report before closing the sweep's parent run (sweep_status)."""
     parents = None if whole_experiment else find_sweeps(uri, sweeps, experiment)
     raw = search_jobs(uri, parents, experiment)
     names = {} if parents is None else parents.set_index("run_id")["tags.mlflow.runName"].to_dict()
     jobs = job_table(raw, names)
-    table = compare(jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)], baseline)
+    training = jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]
+    table = compare(training, baseline)
     name = experiment if parents is None else "+".join(names.values())
     out = Path(out) if out else Path(root) / name
     title = f"Optimizer comparison: {name}"
-    about = _about(uri, parents, jobs, baseline)
+    about = _about(uri, parents, jobs, baseline, status)
+    note = rate_note(training, quality_metric)
+    about += [note] if note else []
     history = loss_history(uri, jobs)
+    validation = None
+    if is_tuned(training):
+        validation = validation_history(uri, training, f"val_{quality_metric}")
+    tuned = tuned_section(training, validation, quality_metric, baseline, target_fraction)
     fits, plans = fit_table(jobs, baseline), plan_table(jobs, baseline)
-    write_report(out, title, about, jobs, table, history, baseline, fits, plans)
+    write_report(out, title, about, jobs, table, history, baseline, fits, plans, tuned)
     return out, table

@@ -102,14 +102,31 @@ def job_table(raw: pd.DataFrame, sweep_names: dict[str, str] | None = None) -> p
     """One row per job: identity, status, error, every param (typed) and every metric's last value."""
     raw = raw.sort_values("start_time", ignore_index=True)
     tags = raw.reindex(
-        columns=["tags.mlflow.runName", "tags.mlflow.parentRunId", "tags.error", "tags.failure_reason"]
+        columns=[
+            "tags.mlflow.runName",
+            "tags.mlflow.parentRunId",
+            "tags.error",
+            "tags.failure_reason",
+            "tags.collapsed",
+        ]
     )
-    tags.columns = ["run_name", "sweep_run_id", "error", "failure_reason"]
+    tags.columns = ["run_name", "sweep_run_id", "error", "failure_reason", "collapsed"]
+    # predictions (nearly) all one class: True / False, empty where the job did not say (older runs)
+    collapsed = tags.collapsed.map({"true": True, "false": False}).astype("boolean")
     jobs = pd.concat(
         [raw.run_id, tags.run_name, tags.sweep_run_id.map(sweep_names or {}).rename("sweep")], axis=1
     )
     jobs = pd.concat(
-        [jobs, tags.sweep_run_id, raw.status, tags.failure_reason, tags.error, raw.start_time, raw.end_time],
+        [
+            jobs,
+            tags.sweep_run_id,
+            raw.status,
+            tags.failure_reason,
+            tags.error,
+            collapsed,
+            raw.start_time,
+            raw.end_time,
+        ],
         axis=1,
     )
     params = sorted(c for c in raw if c.startswith("params."))
@@ -119,14 +136,24 @@ def job_table(raw: pd.DataFrame, sweep_names: dict[str, str] | None = None) -> p
     return pd.concat([jobs, params, metrics], axis=1)
 
 
-def loss_history(uri: str, jobs: pd.DataFrame) -> pd.DataFrame:
-    """Every finished job's train_loss series: run_id, step, train_loss."""
+def _histories(uri: str, jobs: pd.DataFrame, key: str) -> list[tuple]:
+    """(run_id, step, value) of every finished job's `key` series."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
-    rows = [
+    return [
         (run_id, m.step, m.value)
         for run_id in jobs.loc[jobs.status == "FINISHED", "run_id"]
-        for m in client.get_metric_history(run_id, "train_loss")
+        for m in client.get_metric_history(run_id, key)
     ]
-    return pd.DataFrame(rows, columns=["run_id", "step", "train_loss"])
+
+
+def loss_history(uri: str, jobs: pd.DataFrame) -> pd.DataFrame:
+    """Every finished job's train_loss series: run_id, step, train_loss."""
+    return pd.DataFrame(_histories(uri, jobs, "train_loss"), columns=["run_id", "step", "train_loss"])
+
+
+def validation_history(uri: str, jobs: pd.DataFrame, key: str = "val_macro_f1") -> pd.DataFrame:
+    """Every finished job's validation series `key` (logged every eval.every_steps and at the last step):
+    run_id, step, value; a job that logged no such metric (an older run) adds no rows."""
+    return pd.DataFrame(_histories(uri, jobs, key), columns=["run_id", "step", "value"])

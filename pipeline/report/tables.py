@@ -9,6 +9,7 @@ from pipeline.report.columns import (
     BASELINE,
     COLUMNS,
     CONSOLE,
+    DECISION,
     DELTAS,
     FAILURE_LABELS,
     FIT_COLUMNS,
@@ -18,14 +19,20 @@ from pipeline.report.columns import (
     OTHER_SETTINGS,
     PLAN_COLUMNS,
     PLAN_KEYS,
+    RATES,
     SEEDS,
 )
 
 
 def point_columns(jobs: pd.DataFrame) -> list[str]:
-    """What makes a comparison row besides the optimizer: the group, plus any other setting the jobs vary."""
+    """What makes a comparison row besides the optimizer: the group, plus any other setting the jobs vary.
+    A learning rate counts only where one optimizer ran at several: optimizers each at their own reference
+    rate are still compared in one row each."""
     varied = [c for c in OTHER_SETTINGS if c in jobs and jobs[c].nunique(dropna=False) > 1]
-    return GROUP + varied
+    # the rest of the point and the optimizer: does the rate vary within them, or only between optimizers?
+    keys = [c for c in [*GROUP, *varied, "optim"] if c in jobs and c not in RATES]
+    within = lambda c: jobs.groupby(keys, dropna=False)[c].nunique(dropna=False).gt(1).any()  # noqa: E731
+    return GROUP + [c for c in varied if c not in RATES or not keys or within(c)]
 
 
 def _optimizer_order(optims, baseline: str) -> list[str]:
@@ -44,14 +51,19 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         [grouped.size().rename(SEEDS), grouped.mean(), grouped.std(ddof=1).add_suffix(" std")], axis=1
     ).reset_index()
     # Δ against the baseline optimizer of the same group (empty where the group has no finished baseline)
-    group = keys[:-1]
-    reference = table[table.optim == baseline].set_index(group)[list(DELTAS.values())]
-    reference = table[group].join(reference, on=group)
+    group, by = keys[:-1], keys
+    baselines = table[table.optim == baseline]
+    at_scale = [k for k in group if k != "lr"]
+    if {"lr", "lr_scale"} <= set(group) and not baselines.duplicated(at_scale).any():
+        # a tuned grid: Δ at the same lr scale (optimizers with their own reference rates rarely share an
+        # lr), those rows side by side, each optimizer's own lr last
+        group, by = at_scale, [*at_scale, "optim", "lr"]
+    reference = table[group].join(baselines.set_index(group)[list(DELTAS.values())], on=group)
     for name, column in DELTAS.items():
         table[f"Δ {name} [MB]"] = table[column] - reference[column]
         table[f"Δ {name} [%]"] = 100 * (table[column] - reference[column]) / reference[column]
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
-    table = table.sort_values(keys, ignore_index=True)
+    table = table.sort_values(by, ignore_index=True)
     table["optim"] = table.optim.astype(str)
     order = [*keys, SEEDS, "state [MB]", "estimated state [MB]", "Δ state [MB]", "Δ state [%]", "peak [MB]"]
     order += ["Δ peak [MB]", "Δ peak [%]", *list(COLUMNS)[3:]]
@@ -85,6 +97,18 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
             for m, s in zip(table[column], std, strict=True)
         ]
     return out
+
+
+def decision_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The comparison at a glance: optimizer first, then the settings that differ between rows, n and the
+    DECISION columns; and the line naming the settings every row shares (`every row: model tiny, ...`)."""
+    shown = format_table(table, [c for c in DECISION if c in table])
+    optimizer, keys = KEY_LABELS["optim"], list(shown.columns[: list(shown.columns).index(SEEDS)])
+    varied = [k for k in keys if k != optimizer and shown[k].nunique(dropna=False) > 1]
+    shared = [k for k in keys if k not in (optimizer, *varied)]
+    note = ", ".join(f"{k} {shown[k].iloc[0]}" for k in shared) if len(shown) else ""
+    lead = shown[[optimizer, *varied, *[c for c in shown.columns if c not in keys]]]
+    return lead, f"every row: {note}" if note else ""
 
 
 def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:

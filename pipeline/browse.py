@@ -1,0 +1,152 @@
+"""`make ui` (= `python -m pipeline.browse`): the MLflow UI, opened where a sweep's results are.
+
+MLflow 3's UI opens an experiment in its GenAI mode (traces, an overview of "0 traces") unless the URL asks
+for the model-training one (`workflowType=machine_learning`), and its runs table starts with Dataset, Source
+and Models. This prints the address of the experiment's runs table in the model-training mode with a saved
+view ("Optimizer figures": the description, state, peak, F1 and throughput first), then serves a local store
+with `mlflow ui` (a server serves its own UI: the address is printed only). The sweep's end prints its parent
+run's address the same way (sweep_line). See docs/mlflow.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from pipeline.tracking import LOCAL_UI, Tracker, is_server, store_uri, ui_url
+
+EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
+HOST, PORT = "127.0.0.1", 5000  # LOCAL_UI: the address the sweep's links point to
+VIEW_KEY, VIEW_NAME = "optimizer-figures", "Optimizer figures"
+# the saved view's columns after the run's name, start and description: metrics, then params, each in the
+# order the UI gives them anyway (by name), since the 3.17 UI sometimes lays out a group before applying a
+# view's column order within it
+METRICS = ["eval_f1", "eval_macro_f1", "optimizer_state_mb", "peak_memory_mb", "train_samples_per_second"]
+PARAMS = ["batch_size", "lr", "model", "optim"]
+
+
+def _column(kind: str, key: str) -> str:
+    """The runs table's column id (`metrics.\\`peak_memory_mb\\``), as the UI's selectedColumns hold it."""
+    return f"{kind}.`{key}`"
+
+
+def view_state() -> dict:
+    """The saved view: the run's description (state, peak and F1, with units), the key metrics and params,
+    then Dataset and Duration; Source and Models (empty for these runs) left out; sorted by start time, so a
+    sweep's parent run keeps its jobs under it."""
+    description, dataset = _column("attributes", "Description"), _column("attributes", "Dataset")
+    metrics = [_column("metrics", key) for key in METRICS]
+    params = [_column("params", key) for key in PARAMS]
+    order = [_column("attributes", "Run Name"), description, *metrics, *params, dataset]
+    widths = {_column("attributes", "Run Name"): 320, description: 340, dataset: 260}
+    widths |= {column: 150 for column in metrics} | {column: 110 for column in params}
+    return {
+        "selectedColumns": [description, *metrics, *params, dataset],
+        "columnOrder": [*order, _column("attributes", "Duration")],
+        "columnWidths": widths,
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+    }
+
+
+def runs_url(tracker: Tracker, experiment: str = EXPERIMENT, local_ui: str = LOCAL_UI) -> str | None:
+    """The experiment's runs table in the model-training mode with the saved view, after marking the
+    experiment as model training and (re)writing the view; None when the store has no such experiment."""
+    found = tracker.client.get_experiment_by_name(experiment)
+    if found is None:
+        return None
+    tracker.mark_model_training(found)
+    tracker.save_view(found.experiment_id, VIEW_KEY, VIEW_NAME, view_state())
+    return ui_url(tracker.uri, found.experiment_id, view=VIEW_KEY, local_ui=local_ui)
+
+
+def sweep_line(uri: str, ids: dict, local_ui: str = LOCAL_UI) -> str:
+    """The line a sweep's end prints: its parent run (description, child runs, the report under Artifacts)
+    in the model-training mode, where `make ui` serves a local store or at the server's address."""
+    url = ui_url(uri, ids["experiment_id"], ids["parent_run_id"], local_ui=local_ui)
+    return f"[sweep] parent run in the MLflow UI: {url}" + ("" if is_server(uri) else " (make ui serves it)")
+
+
+def server_answers(url: str, timeout: float = 3) -> bool:
+    """Whether an MLflow server answers its /health address."""
+    try:
+        urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout).close()
+        return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def can_open_browser() -> bool:
+    """A graphical browser is at hand (a desktop session): never a text browser taking over the terminal."""
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )
+
+
+def serve(uri: str, host: str, port: int, url: str, open_browser: bool) -> int:
+    """`mlflow ui` on the store (one worker: one person browsing) until Ctrl-C; the page opens in a browser
+    once the server answers, where there is one."""
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    command += ["--host", host, "--port", str(port), "--workers", "1"]
+    proc = subprocess.Popen(command)
+    try:
+        deadline = time.monotonic() + 120
+        while open_browser and proc.poll() is None and time.monotonic() < deadline:
+            if server_answers(f"http://{host}:{port}", timeout=1):
+                import webbrowser
+
+                webbrowser.open(url)
+                break
+            time.sleep(0.5)
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached `mlflow ui` too: let it stop
+        proc.terminate()
+        proc.wait()
+        return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.browse",
+        description="Print the address of the experiment's runs in MLflow's model-training view (figures "
+        "first), then serve a local store with `mlflow ui`; a server serves its own UI.",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs>/outputs/mlflow.db)",
+    )
+    parser.add_argument("--experiment", default=EXPERIMENT, help="experiment to open (default: %(default)s)")
+    parser.add_argument("--host", default=HOST, help="address `mlflow ui` listens on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=PORT, help="its port (default: %(default)s)")
+    parser.add_argument("--no-serve", action="store_true", help="print the address only")
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    args = parser.parse_args(argv)
+    uri = store_uri(args.tracking_uri, "outputs")
+    if is_server(uri) and not server_answers(uri):
+        print(
+            f"error: MLflow server {uri} does not answer: start it (make server) or fix the uri",
+            file=sys.stderr,
+        )
+        return 2
+    local_ui = f"http://{args.host}:{args.port}"
+    url = runs_url(Tracker(uri), args.experiment, local_ui)
+    if url is None:
+        url = ui_url(uri, local_ui=local_ui)
+        print(f"no experiment {args.experiment!r} in {uri} yet (make run creates it); experiments: {url}")
+    else:
+        print(f"runs of {args.experiment!r} (model-training view, figures first): {url}", flush=True)
+    if is_server(uri):
+        print("(the server serves this UI itself)")
+        return 0
+    if args.no_serve:
+        return 0
+    return serve(uri, args.host, args.port, url, open_browser=not args.no_browser and can_open_browser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""The tuned comparison: each optimizer at its own best learning rate, chosen on the validation split and
+reported on the held-out test split, over seeds, with Welch's test against the baseline.
+
+A sweep that runs an optimizer at more than one learning rate within a point (model, batch size, backend,
+precision, ...) gets this section. The rate is chosen by `val_<metric>` (the validation split, carved out of
+the training data) and the optimizers are compared by `eval_<metric>` (the held-out test split; the `eval_`
+names are kept for compatibility), so the split that scores a rate never picks it. One learning rate per
+optimizer compares optimizers at rates that may suit one and not another: the report says so instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from pipeline.report.columns import (
+    BASELINE,
+    GROUP,
+    KEY_LABELS,
+    QUALITY,
+    QUALITY_METRICS,
+    RATES,
+    SEEDS,
+    TARGET_FRACTION,
+    UNTUNED_NOTE,
+)
+from pipeline.report.tables import _optimizer_order, format_table, point_columns
+
+# a mean over seeds that equals the target up to rounding reaches it
+TOLERANCE = 1e-12
+
+
+class Tuned(NamedTuple):
+    """The section's frames: `table` one row per (point, optimizer) at its best rate; `rates` the validation
+    metric per rate tried (plot against the rate); `curves` the validation series, mean over seeds, at each
+    best rate (plot over steps); `metric` the quality metric (a QUALITY_METRICS key); `target_fraction` the
+    steps-to-target share."""
+
+    table: pd.DataFrame
+    rates: pd.DataFrame
+    curves: pd.DataFrame
+    metric: str
+    target_fraction: float
+
+
+def _finished(jobs: pd.DataFrame) -> pd.DataFrame:
+    """Finished jobs with every column the section reads (empty where not logged); collapsed as a bool."""
+    columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim", *RATES, "collapsed"]))
+    done = jobs[jobs.status == "FINISHED"].reindex(columns=columns)
+    # an empty column as float NaN, as grouping gives it back, so that the frames merge on it
+    empty = [c for c in done if done[c].isna().all() and not pd.api.types.is_datetime64_any_dtype(done[c])]
+    done[empty] = done[empty].astype(float)
+    return done.assign(collapsed=done.collapsed.astype("boolean").fillna(False).astype(bool))
+
+
+def _values(frame: pd.DataFrame, column: str) -> pd.Series:
+    """`column` as floats, all NaN where it was not logged."""
+    return frame.reindex(columns=[column])[column].astype(float)
+
+
+def tuned_points(jobs: pd.DataFrame) -> list[str]:
+    """What a tuned row is besides the optimizer: the comparison's point without the learning rate, which
+    is what gets chosen."""
+    return [c for c in point_columns(jobs) if c not in RATES]
+
+
+def is_tuned(jobs: pd.DataFrame) -> bool:
+    """Whether some optimizer finished at more than one learning rate within a point."""
+    done = _finished(jobs)
+    return bool(done.groupby(tuned_points(done) + ["optim"], dropna=False).lr.nunique().gt(1).any())
+
+
+def rate_note(jobs: pd.DataFrame, metric: str = QUALITY) -> str | None:
+    """The preamble's line on how fair the quality comparison is; None without finished jobs."""
+    if not (jobs.status == "FINISHED").any():
+        return None
+    if not is_tuned(jobs):
+        return UNTUNED_NOTE
+    if _values(jobs, f"val_{metric}").isna().all():
+        return (
+            f"several learning rates per optimizer, but no validation metric (`val_{metric}`) was logged: "
+            "no rate is chosen (the test split must not pick it); see docs/tuning.md for the tuned protocol"
+        )
+    return (
+        f"learning rates tuned: each optimizer at the rate with the best mean `val_{metric}` over seeds "
+        "(validation split, carved out of the training data), compared on the held-out test split "
+        "(`eval_*`); see the section Tuned learning rate"
+    )
+
+
+def rate_table(jobs: pd.DataFrame, metric: str = QUALITY) -> pd.DataFrame:
+    """One row per (point, optimizer, learning rate): its lr scale, finished runs, the validation metric's
+    n, mean and sample std over seeds, and how many of the runs collapsed to one class."""
+    done = _finished(jobs)
+    keys = tuned_points(done) + ["optim", "lr"]
+    grouped = done.assign(value=_values(done, f"val_{metric}")).groupby(keys, dropna=False)
+    rates = pd.concat(
+        [
+            grouped.lr_scale.first(),
+            grouped.size().rename("runs"),
+            grouped.value.agg(["count", "mean", "std"]).rename(columns={"count": "n"}),
+            grouped.collapsed.sum(),
+        ],
+        axis=1,
+    ).reset_index()
+    return _sorted(rates, keys)
+
+
+def _sorted(frame: pd.DataFrame, keys: list[str], baseline: str = BASELINE) -> pd.DataFrame:
+    """Sorted by point, baseline first among the optimizers (then by name), then by the rest of `keys`."""
+    order = pd.Categorical(frame.optim, _optimizer_order(frame.optim, baseline))
+    frame = frame.assign(optim=order).sort_values(keys, ignore_index=True)
+    return frame.assign(optim=frame.optim.astype(str))
+
+
+def select_best(rates: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per (point, optimizer) in `keys`: the rate with the highest mean validation value over seeds, among
+    the rates without a collapsed run while there is one (a run that predicts one class can still score a
+    fair mean on a skewed split); ties go to the smaller rate. Beside it: the rates tried (text), `edge`:
+    "lowest" / "highest" when the best is at that end of two or more rates (the optimum may lie outside the
+    grid), and `collapsed_runs` over all rates. A (point, optimizer) with no validation value has no best."""
+    rates = rates.sort_values([*keys, "lr"], ignore_index=True)
+    scored = rates[rates["mean"].notna()].assign(clean=lambda f: f.collapsed.eq(0))
+    some_clean = scored.groupby(keys, dropna=False).clean.transform("any")
+    candidates = scored[scored.clean | ~some_clean]
+    best = candidates.loc[candidates.groupby(keys, dropna=False)["mean"].idxmax()]
+    grid = rates.groupby(keys, dropna=False).agg(
+        tried=("lr", lambda lr: ", ".join(f"{r:g}" for r in sorted(lr.dropna().unique()))),
+        low=("lr", "min"),
+        high=("lr", "max"),
+        count=("lr", "nunique"),
+        collapsed_runs=("collapsed", "sum"),
+    )
+    chosen = grid.reset_index().merge(best.drop(columns=["clean", "collapsed"]), on=keys, how="left")
+    several = chosen["count"] >= 2
+    edge = np.where(several & chosen.lr.eq(chosen.low), "lowest", "")
+    edge = np.where(several & chosen.lr.eq(chosen.high), "highest", edge)
+    return chosen.assign(edge=edge).drop(columns=["low", "high", "count"])
+
+
+def welch(a, b) -> float:
+    """p-value of Welch's two-sided t-test (unequal variances) of two samples (scipy.stats.ttest_ind with
+    equal_var=False); NaN when either sample has fewer than 2 values."""
+    a, b = pd.Series(a, dtype=float).dropna(), pd.Series(b, dtype=float).dropna()
+    if min(len(a), len(b)) < 2:
+        return math.nan
+    from scipy import stats
+
+    with warnings.catch_warnings():  # identical samples: NaN, with a warning we need not print
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def against_baseline(runs: pd.DataFrame, points: list[str], column: str, baseline: str) -> pd.DataFrame:
+    """Per (point, optimizer) of `runs` (each at its best rate): Δ = mean of `column` minus the baseline's
+    mean at the same point, Welch's p over seeds, and n on each side ("3 vs 3"). Empty against itself or
+    where the point has no baseline."""
+    rows = []
+    for _, at_point in runs.groupby(points, dropna=False):
+        base = _values(at_point[at_point.optim == baseline], column).dropna()
+        for optim, side in at_point.groupby("optim"):
+            values = _values(side, column).dropna()
+            compared = optim != baseline and len(base) > 0
+            rows.append(
+                {
+                    **side.iloc[0][points].to_dict(),
+                    "optim": optim,
+                    "delta": values.mean() - base.mean() if len(base) else math.nan,
+                    "p": welch(values, base) if compared else math.nan,
+                    "n_vs": f"{len(values)} vs {len(base)}" if compared else "",
+                }
+            )
+    return pd.DataFrame(rows, columns=[*points, "optim", "delta", "p", "n_vs"])
+
+
+def mean_curves(history: pd.DataFrame, runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The validation series of `runs` (history: run_id, step, value), averaged over seeds by step: one row
+    per (`keys`, step) with mean, std and n."""
+    curves = history.merge(runs[["run_id", *keys]], on="run_id")
+    curves = curves.groupby([*keys, "step"], dropna=False).value.agg(["mean", "std", "count"])
+    return curves.rename(columns={"count": "n"}).reset_index()
+
+
+def steps_to_target(curves: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per (`keys`) with a series: the first step whose mean over seeds reaches the row's `target` (NaN
+    when none does) and `reached`."""
+    hit = curves.step.where(curves["mean"] >= curves.target - TOLERANCE)
+    first = curves.assign(hit=hit).groupby(keys, dropna=False).hit.min().rename("steps").reset_index()
+    return first.assign(reached=first.steps.notna())
+
+
+def _mean_std(runs: pd.DataFrame, keys: list[str], columns: dict[str, str]) -> pd.DataFrame:
+    """Mean and sample std over seeds of each metric in `columns` (label <- metric), per `keys`."""
+    values = pd.concat(
+        [runs[keys], *(_values(runs, m).rename(label) for label, m in columns.items())], axis=1
+    )
+    grouped = values.groupby(keys, dropna=False)
+    return pd.concat([grouped.mean(), grouped.std(ddof=1).add_suffix(" std")], axis=1).reset_index()
+
+
+def tuned_section(
+    jobs: pd.DataFrame,
+    history: pd.DataFrame | None = None,
+    metric: str = QUALITY,
+    baseline: str = BASELINE,
+    target_fraction: float = TARGET_FRACTION,
+) -> Tuned | None:
+    """The tuned section of training `jobs` (history: the `val_<metric>` series, run_id, step, value), or
+    None where no optimizer ran at several rates in a point, or no validation metric was logged."""
+    if not is_tuned(jobs) or _values(jobs, f"val_{metric}").isna().all():
+        return None
+    name, val, test = QUALITY_METRICS[metric], f"val_{metric}", f"eval_{metric}"
+    done = _finished(jobs)
+    points = tuned_points(done)
+    keys = [*points, "optim"]
+    rates = rate_table(done, metric)
+    best = select_best(rates, keys)
+    # the target: a share of the best final validation value among the point's optimizers, each at its best
+    best["target"] = target_fraction * best.groupby(points, dropna=False)["mean"].transform("max")
+    runs = done.merge(best[[*keys, "lr"]].dropna(subset=["lr"]), on=[*keys, "lr"])
+    history = pd.DataFrame(columns=["run_id", "step", "value"]) if history is None else history
+    curves = mean_curves(history, runs, keys).merge(best[[*keys, "target"]], on=keys)
+    tests = {
+        f"test {QUALITY_METRICS[m]} [0-1]": f"eval_{m}" for m in dict.fromkeys(["macro_f1", "f1", metric])
+    }
+    figures = {
+        f"val {name} [0-1]": val,
+        **tests,
+        "state [MB]": "optimizer_state_mb",
+        "peak [MB]": "peak_memory_mb",
+    }
+    table = (
+        best[[*keys, "tried", "lr", "lr_scale", "edge", "collapsed_runs", "target"]]
+        .merge(runs.groupby(keys, dropna=False).size().rename(SEEDS).reset_index(), on=keys, how="left")
+        .merge(_mean_std(runs, keys, figures), on=keys, how="left")
+        .merge(against_baseline(runs, points, test, baseline), on=keys, how="left")
+        .merge(steps_to_target(curves, keys), on=keys, how="left")
+    )
+    table = table.rename(
+        columns={
+            "tried": "rates tried",
+            "lr": "best lr",
+            "lr_scale": "best lr scale",
+            "collapsed_runs": "collapsed [runs]",
+            "delta": f"Δ test {name} [0-1]",
+            "p": "p (Welch)",
+            "n_vs": "n vs baseline [seeds]",
+            "target": "target [0-1]",
+            "steps": "steps to target [steps]",
+            "reached": "target reached",
+        }
+    )
+    table[SEEDS] = table[SEEDS].fillna(0).astype(int)
+    if table["best lr scale"].isna().all():
+        table = table.drop(columns="best lr scale")
+    order = [*keys, SEEDS, "rates tried", "best lr", "best lr scale", "edge", "collapsed [runs]"]
+    order += [f"val {name} [0-1]", *tests, f"Δ test {name} [0-1]", "p (Welch)", "n vs baseline [seeds]"]
+    order += ["state [MB]", "peak [MB]", "target [0-1]", "steps to target [steps]", "target reached"]
+    table = table[[c for column in order for c in (column, f"{column} std") if c in table]]
+    rates = rates.merge(best[[*keys, "lr"]].assign(best=True), on=[*keys, "lr"], how="left")
+    rates["best"] = rates.best.astype("boolean").fillna(False).astype(bool)
+    table, rates = _sorted(table, keys, baseline), _sorted(rates, [*keys, "lr"], baseline)
+    return Tuned(table, rates, _sorted(curves, [*keys, "step"], baseline), metric, target_fraction)
+
+
+def format_tuned(table: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
+    """The tuned table for people: numbers as the comparison's (± std where there is one), the text
+    columns as they are, "not reached" where a series never reached the target."""
+    text = ["rates tried", "edge", "n vs baseline [seeds]", "target reached"]
+    numbers = [c for c in table.columns[table.columns.get_loc(SEEDS) + 1 :] if not c.endswith(" std")]
+    shown = format_table(table, [c for c in numbers if c not in text])
+    for column in text[:3]:
+        shown[column] = table[column].fillna("")
+    steps = "steps to target [steps]"
+    shown[steps] = shown[steps].where(table["target reached"].ne(False).fillna(True), "not reached")
+    keys = [KEY_LABELS.get(c, c) for c in table.columns[: table.columns.get_loc(SEEDS)]]
+    return shown[[*keys, SEEDS, *[c for c in columns or numbers if c not in ("target reached", SEEDS)]]]
+
+
+def tuned_console(table: pd.DataFrame) -> str:
+    """The short tuned table printed with the comparison (the quality metric read off the Δ column)."""
+    delta = next(c for c in table if c.startswith("Δ test "))
+    columns = ["best lr", "edge", delta.removeprefix("Δ "), delta, "p (Welch)", "n vs baseline [seeds]"]
+    return format_tuned(table, [*columns, "steps to target [steps]"]).to_string(index=False)
