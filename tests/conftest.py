@@ -1,5 +1,6 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,13 @@ def run_cli(tmp_path: Path, *args: str, timeout: float = 600, env=None) -> subpr
         text=True,
         timeout=timeout,
     )
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a test's own server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def store(tmp_path: Path):

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from omegaconf import OmegaConf
 from pipeline import browse, quiet
 from pipeline.tracking import EXPERIMENT_KIND, LOCAL_UI, ui_url
 from tests.chromium import CHROMIUM, Chromium
-from tests.conftest import ROOT, TINY, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, free_port, run_cli, store, sweep_runs
 
 SWEEP = ["-m", "optim=adamw,adafactor", *TINY, "data.max_val_samples=16"]
 DOCS_SHOT = ROOT / "docs" / "img" / "mlflow-runs.png"  # rewritten when DOCS_SCREENSHOTS=1
@@ -150,12 +149,6 @@ def test_browse_says_in_one_line_what_it_cannot_open(sweep):
     assert proc.stderr.strip() == (
         f"error: MLflow server http://127.0.0.1:{port} does not answer: start it (make server) or fix the uri"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from mlflow import MlflowClient
 from pipeline import distributed
 from pipeline.config import ConfigError, check_group_overrides, validate
 from pipeline.placement import GpuPool, cpu_threads
-from tests.conftest import TINY, compose_cfg, run_cli, store, sweep_runs
+from tests.conftest import TINY, compose_cfg, free_port, run_cli, store, sweep_runs
 from tests.test_failures import running, start_sweep
 from tests.test_sweep import METRICS
 
@@ -125,12 +124,6 @@ def test_a_job_refuses_to_run_as_fewer_processes_than_asked(monkeypatch):
 
 
 # ---- parallel jobs against a real MLflow server ----------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
