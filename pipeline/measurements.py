@@ -100,7 +100,10 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
     num_params = sum(p.numel() for p in model.parameters())
     state = optimizer_state_size(out.optimizer)
     paged = paged_state_size(out.optimizer)
-    estimate = state_estimate(cfg, spec, model, out.optimizer)
+    try:
+        estimate, estimate_na = state_estimate(cfg, spec, model, out.optimizer), None
+    except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
+        estimate, estimate_na = None, f"n/a: {err}"
     memory = out.peak.metrics()
     warmup = warmup_steps(cfg)
     window = timer.window(warmup)
@@ -173,6 +176,8 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
     if method:
         tags["prediction_method"] = method
+    if spec.name == "custom":  # how its estimate was found (there is no analytic model of it)
+        tags["state_estimate"] = estimate_na or "meta-device step (pipeline.optimizers.meta_estimate)"
     if cfg.backend.name == "trainer":  # the Trainer's own optim= path, or the registry's object
         tags["trainer_optim"] = spec.trainer_string(cfg) or "none: handed the registry's optimizer object"
     if spec.name.startswith("paged") and not on_cuda:

@@ -59,7 +59,11 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
         if isinstance(value, torch.Tensor):
             for leaf in storage_leaves(value):
                 storage = leaf.untyped_storage()
-                key = (str(storage.device), storage.data_ptr())
+                # (meta tensors have no address: their storage object itself tells them apart)
+                key = (
+                    str(storage.device),
+                    storage._cdata if storage.device.type == "meta" else storage.data_ptr(),
+                )
                 if key in seen:
                     continue
                 seen.add(key)

@@ -31,6 +31,7 @@ EXTRA = "optim"  # the pyproject extra holding the optional optimizer packages
 BNB_MIN_8BIT_SIZE, BNB_BLOCK = 4096, 256  # bitsandbytes: smaller tensors keep 32-bit state; absmax per block
 BNB_QMAP = 256  # bitsandbytes' quantization map (fp32), one per state kind, shared by every parameter
 TORCHAO_MIN_SIZE = 4096  # torchao quantizes tensors of at least this size whose numel divides by the block
+ZERO_AT_BUILD = "zero_at_build"  # attribute a Prodigy build sets on each parameter (see ParamInfo)
 TRAINER_EMBEDDING_FP32 = (
     "trainer_embedding_fp32"  # the Trainer's bnb 8-bit path keeps nn.Embedding state fp32
 )
@@ -41,6 +42,9 @@ class ParamInfo(NamedTuple):
     shape: tuple[int, ...]
     itemsize: int
     is_embedding: bool  # the weight of an nn.Embedding
+    # all zero when the optimizer was built (Prodigy keeps a 0-d `p0` for such a parameter): recorded by the
+    # build on the parameter itself (ZERO_AT_BUILD), False where no build recorded it
+    zero_at_build: bool = False
 
     @property
     def numel(self) -> int:
@@ -53,7 +57,9 @@ def param_infos(model) -> list[ParamInfo]:
 
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [
-        ParamInfo(n, tuple(p.shape), p.element_size(), id(p) in embedding_weights)
+        ParamInfo(
+            n, tuple(p.shape), p.element_size(), id(p) in embedding_weights, getattr(p, ZERO_AT_BUILD, False)
+        )
         for n, p in model.named_parameters()
         if p.requires_grad
     ]
@@ -338,7 +344,7 @@ def min_8bit_size(cfg) -> int:
     return cfg.optim.get("min_8bit_size", BNB_MIN_8BIT_SIZE)
 
 
-def bnb_estimator(states: int, bits: int):
+def bnb_estimator(states: int, bits: int, maps: int | None = None):
     """bitsandbytes: `states` moments per parameter; 8-bit ones as uint8 codes + an fp32 absmax per block of
     256, except tensors under `optim.min_8bit_size` (4096) elements (and, in the Trainer's variant, embedding
     weights) which keep fp32 state; one shared fp32 quantization map per moment; `step` a Python int."""
@@ -352,7 +358,7 @@ def bnb_estimator(states: int, bits: int):
             moment = size((p.numel, 1), (ceil(p.numel / BNB_BLOCK), FP32)) if eight else size((p.numel, FP32))
             parts += [moment] * states + [size((1, INT64))]
         if any_8bit:
-            parts.append(size((states * BNB_QMAP, FP32)))
+            parts.append(size(((states if maps is None else maps) * BNB_QMAP, FP32)))
         return total(parts)
 
     return estimate
@@ -450,8 +456,10 @@ def build_galore_adamw(model, cfg):
 
 def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
     """Projected weights (m x n, std projection): Adam moments of the low-rank gradient, (m x r) when m >= n
-    else (r x n), r = min(rank, m, n); the projector keeps the SVD factor it slices (U or Vh), which holds
-    min(m, n)^2 fp32 values because the slice is a view. Other parameters: plain Adam. `step` a Python int."""
+    else (r x n), r = min(rank, m, n), in the weight's dtype; the projector keeps its slice of the SVD factor
+    (Vh's r x n rows when m >= n, else U's m x r columns). The SVD runs in fp32: for an fp32 weight the slice
+    is a view that keeps the whole factor, min(m, n)^2 fp32 values; for a 16-bit weight it is a 16-bit copy
+    of the slice alone. Other parameters: plain Adam. `step` a Python int."""
     if cfg.optim.proj_type != "std":
         raise NotImplementedError("the GaLore estimate models proj_type=std")
     # names alone do not tell module types; targets are 2-D weights whose name matches, as galore_targets
@@ -467,8 +475,10 @@ def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> State
             low_rank = m * r if m >= n else r * n
             # the projector object also keeps rank, verbose, update_proj_gap and scale as Python scalars
             knobs = [cfg.optim.rank, False, cfg.optim.update_proj_gap, cfg.optim.scale]
-            projector = size((min(m, n) ** 2, FP32), *[(1, scalar_bytes(v)) for v in knobs])
-            parts += [size((2 * low_rank, FP32), (1, INT64)), projector]
+            sliced = r * n if m >= n else m * r
+            kept = (min(m, n) ** 2, FP32) if p.itemsize == FP32 else (sliced, p.itemsize)
+            projector = size(kept, *[(1, scalar_bytes(v)) for v in knobs])
+            parts += [size((2 * low_rank, p.itemsize), (1, INT64)), projector]
         else:
             parts += [size((2 * p.numel, p.itemsize), (1, INT64))]
     return total(parts)
@@ -594,6 +604,403 @@ def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> Opti
     )
 
 
+# --- issue 17: newer optimizers ---------------------------------------------------------------------------
+
+
+def build_adamw_fused(model, cfg):
+    """torch.optim.AdamW(fused=True): one fused kernel for all tensors (CPU and CUDA), the same state."""
+    import torch
+
+    groups = param_groups(model, cfg.train.weight_decay)
+    o = cfg.optim
+    return torch.optim.AdamW(
+        groups, lr=learning_rate(cfg), betas=tuple(o.betas), eps=o.eps, amsgrad=o.amsgrad, fused=True
+    )
+
+
+def is_muon_weight(p: ParamInfo, head_names) -> bool:
+    """Muon takes the 2-D hidden weights: not embeddings, not the classification head (`optim.adamw_names`)."""
+    return len(p.shape) == 2 and not p.is_embedding and not any(k in p.name for k in head_names)
+
+
+def build_muon(model, cfg):
+    from pipeline.muon import MuonWithAdamW
+
+    infos = {info.name: info for info in param_infos(model)}
+    names = list(cfg.optim.adamw_names)
+    decay = set(decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = [p for n, p in named if is_muon_weight(infos[n], names)]
+    rest = [(n, p) for n, p in named if not is_muon_weight(infos[n], names)]
+    wd = cfg.train.weight_decay
+    o = cfg.optim
+    return MuonWithAdamW(
+        [
+            {"params": muon, "weight_decay": wd, "use_muon": True},
+            {"params": [p for n, p in rest if n in decay], "weight_decay": wd, "use_muon": False},
+            {"params": [p for n, p in rest if n not in decay], "weight_decay": 0.0, "use_muon": False},
+        ],
+        lr=learning_rate(cfg),
+        weight_decay=wd,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        ns_coefficients=tuple(o.ns_coefficients),
+        eps=o.eps,
+        ns_steps=o.ns_steps,
+        adjust_lr_fn=o.adjust_lr_fn,
+        adamw_betas=tuple(o.adamw_betas),
+        adamw_eps=o.adamw_eps,
+    )
+
+
+def estimate_muon(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Muon's part: a `momentum_buffer` (parameter dtype), no step; AdamW's part: as `adamw`."""
+    names = list(cfg.optim.adamw_names)
+    return total(
+        size((p.numel, p.itemsize))
+        if is_muon_weight(p, names)
+        else size((2 * p.numel, p.itemsize), (1, FP32))
+        for p in params
+    )
+
+
+def build_ademamix(bits: int):
+    def build(model, cfg):
+        import bitsandbytes as bnb
+
+        o = cfg.optim
+        return bnb.optim.AdEMAMix(
+            param_groups(model, cfg.train.weight_decay),
+            lr=learning_rate(cfg),
+            betas=tuple(o.betas),
+            alpha=o.alpha,
+            t_alpha=o.t_alpha,
+            t_beta3=o.t_beta3,
+            eps=o.eps,
+            optim_bits=bits,
+            min_8bit_size=o.get("min_8bit_size", BNB_MIN_8BIT_SIZE),
+        )
+
+    return build
+
+
+def ademamix_trainer_args(cfg) -> dict:
+    """The Trainer's ademamix path: beta1, beta2 and eps as TrainingArguments; beta3, alpha, t_alpha, t_beta3
+    from optim_args."""
+    o = cfg.optim
+    extra = {k: o[k] for k in ("t_alpha", "t_beta3") if o[k] is not None}
+    return {**adam_args(cfg), "optim_args": optim_args(beta3=o.betas[2], alpha=o.alpha, **extra)}
+
+
+def build_adagrad(model, cfg):
+    import torch
+
+    o = cfg.optim
+    return torch.optim.Adagrad(
+        param_groups(model, cfg.train.weight_decay),
+        lr=learning_rate(cfg),
+        lr_decay=o.lr_decay,
+        initial_accumulator_value=o.initial_accumulator_value,
+        eps=o.eps,
+    )
+
+
+def estimate_adagrad(params, cfg, variant=None, model_config=None) -> StateSize:
+    return total(size((p.numel, p.itemsize), (1, FP32)) for p in params)  # `sum` + a float32 `step` tensor
+
+
+def build_rmsprop(model, cfg):
+    import torch
+
+    o = cfg.optim
+    return torch.optim.RMSprop(
+        param_groups(model, cfg.train.weight_decay),
+        lr=learning_rate(cfg),
+        alpha=o.alpha,
+        eps=o.eps,
+        momentum=o.momentum,
+        centered=o.centered,
+    )
+
+
+def estimate_rmsprop(params, cfg, variant=None, model_config=None) -> StateSize:
+    # square_avg, + momentum_buffer with momentum, + grad_avg when centered; a float32 `step` tensor
+    full = 1 + (cfg.optim.momentum > 0) + bool(cfg.optim.centered)
+    return total(size((full * p.numel, p.itemsize), (1, FP32)) for p in params)
+
+
+def build_stable_adamw(model, cfg):
+    from optimi import StableAdamW
+
+    o = cfg.optim
+    return StableAdamW(
+        param_groups(model, cfg.train.weight_decay),
+        lr=learning_rate(cfg),
+        betas=tuple(o.betas),
+        weight_decay=cfg.train.weight_decay,
+        eps=o.eps,
+        decouple_lr=o.decouple_lr,
+        max_lr=o.max_lr,
+        kahan_sum=o.kahan_sum,
+    )
+
+
+def stable_adamw_trainer_args(cfg) -> dict:
+    """betas and eps as TrainingArguments; max_lr through optim_args (its path reads decouple_lr and kahan_sum
+    with bool(text), so that "False" is true: those two stay at their defaults, `trainer_fixed`)."""
+    max_lr = cfg.optim.max_lr
+    return {**adam_args(cfg), **({"optim_args": optim_args(max_lr=max_lr)} if max_lr is not None else {})}
+
+
+def estimate_stable_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    """exp_avg, exp_avg_sq and a 0-d `eps_sq` in the parameter's dtype; a Kahan compensation buffer (parameter
+    size) for 16-bit parameters unless kahan_sum=false; the step count is per group. (CPU, or CUDA without
+    Triton: optimi's Triton kernel adds a uint8 flag and an fp32 mean square per tensor.)"""
+    kahan = cfg.optim.kahan_sum is not False
+    return total(
+        size(((2 + (kahan and p.itemsize == 2)) * p.numel, p.itemsize), (1, p.itemsize)) for p in params
+    )
+
+
+def build_came(model, cfg):
+    from came_pytorch import CAME
+
+    o = cfg.optim
+    return CAME(
+        param_groups(model, cfg.train.weight_decay),
+        lr=learning_rate(cfg),
+        eps=tuple(o.eps),
+        clip_threshold=o.clip_threshold,
+        betas=tuple(o.betas),
+    )
+
+
+def estimate_came(params, cfg, variant=None, model_config=None) -> StateSize:
+    """exp_avg (full) and, for matrices, row + column statistics of the second moment and of the confidence
+    residual (2 x (n + m)), for vectors a full exp_avg_sq, all fp32 (CAME upcasts 16-bit gradients); `RMS` a
+    0-d tensor in the parameter's dtype; `step` a Python int."""
+    return total(
+        size(
+            (p.numel + (2 * factored(p.shape) if len(p.shape) >= 2 else p.numel), FP32),
+            (1, p.itemsize),
+            (1, INT64),
+        )
+        for p in params
+    )
+
+
+def build_prodigy(model, cfg):
+    import torch
+    from prodigyopt import Prodigy
+
+    with torch.no_grad():  # Prodigy keeps a 0-d `p0` for a parameter that is all zero at its first step
+        for p in model.parameters():
+            setattr(p, ZERO_AT_BUILD, not bool(p.any()))
+    o = cfg.optim
+    return Prodigy(
+        param_groups(model, cfg.train.weight_decay),
+        lr=learning_rate(cfg),
+        betas=tuple(o.betas),
+        beta3=o.beta3,
+        eps=o.eps,
+        decouple=o.decouple,
+        use_bias_correction=o.use_bias_correction,
+        safeguard_warmup=o.safeguard_warmup,
+        d0=o.d0,
+        d_coef=o.d_coef,
+        growth_rate=o.growth_rate,
+        slice_p=o.slice_p,
+    )
+
+
+def estimate_prodigy(params, cfg, variant=None, model_config=None) -> StateSize:
+    """`s` and `p0`: every slice_p-th element of the parameter (p0 a 0-d tensor when the parameter is all zero
+    at the first step), exp_avg (when beta1 > 0) and exp_avg_sq, all in the parameter's dtype; int `step`."""
+    every = cfg.optim.slice_p
+    first = cfg.optim.betas[0] > 0
+    parts = []
+    for p in params:
+        sliced = ceil(p.numel / every)
+        p0 = 1 if p.zero_at_build else sliced
+        parts.append(size((sliced + p0 + (1 + first) * p.numel, p.itemsize), (1, INT64)))
+    return total(parts)
+
+
+APOLLO_GROUP_KEYS = ("rank", "proj", "scale_type", "update_proj_gap", "scale", "proj_type")
+
+
+def build_apollo_adamw(model, cfg):
+    from apollo_torch import APOLLOAdamW
+
+    targets = galore_targets(model, cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    o = cfg.optim
+    # the Trainer's low-rank groups (as GaLore's): everything else, then the projected weights
+    groups = [
+        {"params": [p for n, p in named if n not in targets]},
+        {"params": [p for n, p in named if n in targets], **{k: o[k] for k in APOLLO_GROUP_KEYS}},
+    ]
+    return APOLLOAdamW(
+        groups,
+        lr=learning_rate(cfg),
+        betas=tuple(o.betas),
+        eps=o.eps,
+        correct_bias=o.correct_bias,
+        scale_front=o.scale_front,
+        disable_nl=o.disable_nl,
+    )
+
+
+def estimate_apollo_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Every parameter: an int `seed` (set at construction) and `step`. Projected weights (m x n, random
+    projection, proj_type std, r = optim.rank, not capped): the projector's (r x n) matrix when m >= n else
+    (m x r), Adam moments of the projected gradient (m x r, or r x n), a 0-d `scaled_grad` norm (with the
+    norm-growth limiter), all in the parameter's dtype, and the projector's Python scalars. Others: Adam."""
+    o = cfg.optim
+    if o.proj != "random" or o.proj_type != "std":
+        raise NotImplementedError("the APOLLO estimate models proj=random, proj_type=std")
+    from transformers.trainer_utils import check_target_module_exists
+
+    targets = list(o.target_modules)
+    parts = []
+    for p in params:
+        module = p.name.removesuffix(".weight")
+        if p.name.endswith(".weight") and len(p.shape) == 2 and check_target_module_exists(targets, module):
+            m, n = p.shape
+            r = o.rank
+            low, ortho = (m * r, r * n) if m >= n else (r * n, m * r)
+            # the projector: rank, verbose, update_proj_gap, scale, seed, svd_count (proj_type is a string)
+            knobs = [o.rank, False, o.update_proj_gap, float(o.scale), 0, 0]
+            parts.append(
+                size(
+                    (2 * low + ortho + (not o.disable_nl), p.itemsize),
+                    (2, INT64),
+                    *[(1, scalar_bytes(v)) for v in knobs],
+                )
+            )
+        else:
+            parts.append(size((2 * p.numel, p.itemsize), (2, INT64)))
+    return total(parts)
+
+
+# --- bring your own: optim=custom optim.target=<module.Class> ----------------------------------------------
+
+
+def custom_class(cfg):
+    """The optimizer class `optim.target` names ("module.Class"); ValueError with one line when it cannot be
+    imported or is no torch.optim.Optimizer subclass."""
+    import importlib
+
+    import torch
+
+    target = cfg.optim.target
+    module_name, _, class_name = str(target).rpartition(".")
+    if not module_name:
+        raise ValueError(f"optim.target={target!r} is invalid: give module.Class (e.g. torch.optim.AdamW)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"optim.target={target!r} is invalid: cannot import {module_name} ({err}); "
+            "a local file must be on PYTHONPATH"
+        ) from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"optim.target={target!r} is invalid: {module_name} has no {class_name}")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"optim.target={target!r} is invalid: not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def custom_kwargs(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    kwargs = OmegaConf.to_container(cfg.optim.kwargs, resolve=True) if cfg.optim.kwargs else {}
+    # YAML lists where constructors expect tuples (betas)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def check_custom(cfg) -> None:
+    """optim=custom: the target imports, is an optimizer, and takes these kwargs (ValueError, one line)."""
+    import inspect
+
+    cls = custom_class(cfg)
+    kwargs = custom_kwargs(cfg)
+    if "lr" in kwargs or "params" in kwargs:
+        raise ValueError(
+            "optim.kwargs is invalid: the learning rate is train.lr and params come from the model"
+        )
+    try:
+        inspect.signature(cls).bind([], lr=1.0, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"optim.kwargs={kwargs} is invalid for {cfg.optim.target}: {err}") from None
+
+
+def build_custom(model, cfg):
+    cls = custom_class(cfg)
+    return cls(param_groups(model, cfg.train.weight_decay), lr=learning_rate(cfg), **custom_kwargs(cfg))
+
+
+class MetaStepFailed(RuntimeError):
+    """The optimizer's step cannot run on meta tensors (it reads values or calls a device kernel)."""
+
+
+def meta_copy(model):
+    """The model with every parameter replaced by a meta-device tensor of its shape and dtype (no memory)."""
+    import copy
+
+    import torch
+
+    memo = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
+
+
+def meta_model(model_config, itemsize: int):
+    """A sequence classifier of this config built on the meta device, in the dtype its weights have."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(model_config, dtype=dtype)
+
+
+def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
+    """The state an optimizer creates in one step, found with no memory at any model size: the registry's
+    `build` on a model whose parameters are meta-device tensors, one `step()` with meta gradients, and the
+    state it made sized from shapes and dtypes as `pipeline.memory.optimizer_state_size` counts it (each storage
+    once, Python scalars as their tensor dtype). MetaStepFailed, with why, when the step cannot run on meta
+    (it reads a value, e.g. `.item()`, or calls a kernel that has no meta implementation)."""
+    import torch
+
+    from pipeline.memory import optimizer_state_size
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.empty_like(p)
+    try:
+        optimizer = spec.build(model, cfg)
+        if spec.needs_train_eval_mode:  # schedule-free: steps in train mode, as both backends run it
+            optimizer.train()
+        optimizer.step()
+    except Exception as err:  # noqa: BLE001 (reported as the reason there is no estimate)
+        text = str(err).strip().splitlines()
+        why = f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+        raise MetaStepFailed(f"the optimizer step cannot run on meta tensors ({why})") from None
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return optimizer_state_size(optimizer)
+
+
+def estimate_custom(params, cfg, variant=None, model_config=None) -> StateSize:
+    """optim=custom: no analytic model, the meta-device step on the model its config describes."""
+    return meta_estimate(REGISTRY["custom"], cfg, meta_model(model_config, params[0].itemsize))
+
+
 # --- the registry -----------------------------------------------------------------------------------------
 
 REGISTRY: dict[str, OptimizerSpec] = {
@@ -693,6 +1100,95 @@ REGISTRY: dict[str, OptimizerSpec] = {
             needs_train_eval_mode=True,
             step_temporaries=(0, 1),
         ),
+        # issue 17
+        OptimizerSpec(
+            "adamw_fused",
+            build_adamw_fused,
+            estimate_adamw,
+            "adamw_torch_fused",
+            adam_args,
+            trainer_fixed={"amsgrad": False},
+            step_temporaries=(0, 2),
+        ),
+        OptimizerSpec("muon", build_muon, estimate_muon, step_temporaries=(2, 0)),
+        OptimizerSpec(
+            "ademamix",
+            build_ademamix(32),
+            bnb_estimator(3, 32),
+            "ademamix",
+            ademamix_trainer_args,
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "ademamix_8bit",
+            build_ademamix(8),
+            bnb_estimator(3, 8, maps=2),  # state1 holds both first moments (one map), state2 the second
+            "ademamix_8bit",
+            ademamix_trainer_args,
+            TRAINER_EMBEDDING_FP32,
+            {"min_8bit_size": BNB_MIN_8BIT_SIZE},
+            ("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "adagrad",
+            build_adagrad,
+            estimate_adagrad,
+            "adagrad",
+            lambda cfg: {"optim_args": optim_args(lr_decay=cfg.optim.lr_decay, eps=cfg.optim.eps)},
+            trainer_fixed={"initial_accumulator_value": 0.0},
+            step_temporaries=(2, 0),
+        ),
+        OptimizerSpec(
+            "rmsprop",
+            build_rmsprop,
+            estimate_rmsprop,
+            "rmsprop",
+            lambda cfg: {
+                "optim_args": optim_args(
+                    momentum=cfg.optim.momentum,
+                    alpha=cfg.optim.alpha,
+                    eps=cfg.optim.eps,
+                    centered=cfg.optim.centered,
+                )
+            },
+            step_temporaries=(1, 0),
+        ),
+        OptimizerSpec(
+            "stable_adamw",
+            build_stable_adamw,
+            estimate_stable_adamw,
+            "stable_adamw",
+            stable_adamw_trainer_args,
+            trainer_fixed={"decouple_lr": False, "kahan_sum": None},
+            requires=("optimi",),
+            step_temporaries=(2, 0),
+        ),
+        OptimizerSpec("came", build_came, estimate_came, requires=("came_pytorch",), step_temporaries=(3, 0)),
+        OptimizerSpec(
+            "prodigy", build_prodigy, estimate_prodigy, requires=("prodigyopt",), step_temporaries=(2, 0)
+        ),
+        OptimizerSpec(
+            "apollo_adamw",
+            build_apollo_adamw,
+            estimate_apollo_adamw,
+            "apollo_adamw",
+            lambda cfg: {
+                **adam_args(cfg),
+                "optim_target_modules": list(cfg.optim.target_modules),
+                "optim_args": optim_args(**{k: cfg.optim[k] for k in APOLLO_GROUP_KEYS}),
+            },
+            # its path puts betas and eps in the projected group only, and passes none of the others
+            trainer_fixed={
+                "betas": [0.9, 0.999],
+                "eps": 1e-6,
+                "correct_bias": True,
+                "scale_front": False,
+                "disable_nl": False,
+            },
+            requires=("apollo_torch",),
+            step_temporaries=(2, 0),
+        ),
+        OptimizerSpec("custom", build_custom, estimate_custom),
     ]
 }
 
