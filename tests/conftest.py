@@ -22,6 +22,17 @@ def pytest_configure(config):
     process and every job it starts see no GPU. Set before any test module imports torch."""
     if not selects_gpu_tests(config.option.markexpr):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    own_cores(os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def own_cores(worker: str | None, workers: int) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2`), each worker and every job it starts get their own share
+    of the cores: torch's thread pools spin while they wait, so two of them on the same cores run several
+    times slower than one after the other. The jobs' thread count follows (pipeline.placement.cpu_threads)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is None or workers < 2 or len(cores) < workers:
+        return
+    os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: workers])
 
 
 def selects_gpu_tests(markexpr: str) -> bool:

@@ -1,0 +1,295 @@
+"""The store at its edges, with real processes: sweeps started at once on a fresh sqlite store, stores that
+cannot be opened, and the team server of `make server` (MLflow's basic-auth app) with and without logins."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.tracking import StoreError, Tracker
+from tests.conftest import ROOT, free_port, run_cli
+
+PLAN = ["model=tiny", "plan=true"]  # a job that trains nothing: shapes only, in the launching process
+N_SWEEPS = 4
+
+
+# ---- sweeps at once on a fresh store ---------------------------------------------------------------------
+
+
+@pytest.mark.slow  # four sweep processes at once on 2 cores
+def test_sweeps_started_at_once_on_a_fresh_store_all_finish(tmp_path):
+    """N sweeps, one outputs folder, one new sqlite store, started together: each takes the lock beside the
+    database in turn while MLflow creates the schema and the experiment, and its own sweep folder."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    sweeps = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "-m",
+                "optim=adamw,adafactor",
+                *PLAN,
+                f"seed={seed}",
+                f"outputs_dir={tmp_path}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for seed in range(N_SWEEPS)
+    ]
+    for sweep in sweeps:
+        out, err = sweep.communicate(timeout=900)
+        assert sweep.returncode == 0, err[-3000:]
+    assert (tmp_path / "mlflow.db.lock").exists()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the store opens afterwards
+    (experiment,) = [e for e in client.search_experiments() if e.name == "optimizer-sweep"]
+    sweep_files = sorted(tmp_path.glob("multirun/*/mlflow_sweep.json"))
+    assert len(sweep_files) == N_SWEEPS  # one folder each, even when started in the same second
+    seeds = set()
+    for path in sweep_files:
+        ids = json.loads(path.read_text())
+        assert ids["experiment_id"] == experiment.experiment_id
+        parent = client.get_run(ids["parent_run_id"])
+        assert parent.info.status == "FINISHED"
+        children = client.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{ids['parent_run_id']}'"
+        )
+        assert sorted(r.data.params["optim"] for r in children) == ["adafactor", "adamw"]
+        assert {r.info.status for r in children} == {"FINISHED"}
+        (seed,) = {r.data.params["seed"] for r in children}  # a sweep's jobs, not another sweep's
+        seeds.add(seed)
+        assert all(Path(r.data.tags["job_dir"]).parent == path.parent for r in children)
+    assert seeds == {str(s) for s in range(N_SWEEPS)}
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == N_SWEEPS * 3  # every run recorded once: a parent and two jobs per sweep
+    assert not client.search_runs(["0"])  # nothing in Default
+
+
+# ---- stores that cannot be opened ------------------------------------------------------------------------
+
+
+def _immutable(folder: Path) -> bool:
+    """Make a folder unwritable, for root too (chattr +i) where the system lets us; False where it does not."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return True
+    return (
+        shutil.which("chattr") is not None and subprocess.run(["chattr", "+i", str(folder)]).returncode == 0
+    )
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if not _immutable(folder):
+        pytest.skip("cannot make a folder read-only here")
+    yield folder
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(folder)])
+    folder.chmod(0o755)
+
+
+def test_stores_that_cannot_be_opened_say_which_and_the_fix(tmp_path, read_only):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"not a database, " * 400)
+    cases = {
+        f"sqlite:///{corrupt}": f"{corrupt} is not a sqlite database MLflow can read (file is not a database): "
+        f"move it aside (e.g. mv {corrupt} {corrupt}.broken) for a fresh store",
+        "sqlit:///x.db": "has an unknown scheme 'sqlit': use sqlite:///<path>/mlflow.db, http(s)://",
+        str(tmp_path / "runs"): f"is a folder, which MLflow 3 no longer records to: use a sqlite file in it, "
+        f"e.g. tracking.uri=sqlite:///{tmp_path / 'runs' / 'mlflow.db'}",
+        f"sqlite:///{read_only}/mlflow.db": f"{read_only} is not writable: make it writable, or point "
+        "tracking.uri (or MLFLOW_TRACKING_URI) at a folder you can write",
+        f"sqlite:///{read_only}/new/mlflow.db": f"{read_only}/new is not writable",
+    }
+    for uri, message in cases.items():
+        with pytest.raises(StoreError) as err:
+            Tracker(uri, tmp_path).experiment_id("optimizer-sweep")
+        assert str(err.value).startswith(f"tracking uri {uri} "), str(err.value)
+        assert message in str(err.value), str(err.value)
+        assert "\n" not in str(err.value)
+    assert corrupt.read_bytes() == b"not a database, " * 400  # nothing touched
+
+
+def test_a_corrupt_store_is_one_line_for_a_sweep_and_for_a_single_run(tmp_path):
+    corrupt = tmp_path / "mlflow.db"
+    corrupt.write_bytes(b"not a database, " * 400)
+    for args in (["-m", "seed=1,2"], []):
+        proc = run_cli(tmp_path, *args, *PLAN)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if "Traceback" in line or "error" in line.lower()]
+        assert errors == [
+            f"error: tracking uri sqlite:///{corrupt} cannot be opened: {corrupt} is not a sqlite database "
+            f"MLflow can read (file is not a database): move it aside (e.g. mv {corrupt} {corrupt}.broken) "
+            "for a fresh store, or point tracking.uri at another file"
+        ], proc.stderr[-2000:]
+    assert not list(tmp_path.glob("multirun/*/mlflow_sweep.json"))  # no sweep opened
+
+
+# ---- the team server: make server ------------------------------------------------------------------------
+
+ADMIN_PASSWORD = "admin-password-for-tests"  # MLflow wants 12 characters or more
+USER, PASSWORD = "alice", "alice-password-1"
+
+
+def host_address() -> str | None:
+    """This host's own non-loopback IPv4 address (what a teammate's machine would connect to), if any."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: only the route is looked up
+            address = s.getsockname()[0]
+    except OSError:
+        found = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+        address = next((a for a in found if "." in a), "127.0.0.1")
+    return None if address.startswith("127.") else address
+
+
+def make_server(tmp: Path, port: int, env: dict, *variables: str) -> subprocess.Popen:
+    """`make server` (the install step taken as done) with its store, artifacts and accounts under tmp."""
+    cmd = ["make", "-s", "-o", ".venv/.installed", "server", f"SERVER_PORT={port}", "SERVER_WORKERS=1"]
+    cmd += [f"SERVER_STORE=sqlite:///{tmp / 'mlflow.db'}", f"SERVER_ARTIFACTS={tmp / 'artifacts'}"]
+    cmd += [f"SERVER_AUTH_STORE=sqlite:///{tmp / 'auth.db'}", f"SERVER_AUTH_CONFIG={tmp / 'auth.ini'}"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **env}
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 (the server's own output, read on failure)
+    return subprocess.Popen(
+        [*cmd, *variables], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def test_make_server_refuses_to_start_without_its_secrets(tmp_path):
+    for env, message in (
+        ({}, "MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it"),
+        ({"MLFLOW_AUTH_ADMIN_PASSWORD": "short"}, "MLFLOW_AUTH_ADMIN_PASSWORD is too short"),
+        ({"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD}, "MLFLOW_FLASK_SERVER_SECRET_KEY is not set"),
+    ):
+        server = make_server(tmp_path, free_port(), env)
+        assert server.wait(timeout=60) == 2
+        (line,) = (tmp_path / "server.log").read_text().splitlines()
+        assert message in line, line
+    assert not (tmp_path / "auth.db").exists()
+
+
+@pytest.fixture(scope="module")
+def team_server(tmp_path_factory):
+    """`make server` on a free port: basic-auth, allowed hosts from this host's name and addresses."""
+    tmp = tmp_path_factory.mktemp("team_server")
+    port = free_port()
+    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-key"}
+    server = make_server(tmp, port, secrets)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600  # seconds on an idle machine; minutes on a loaded one
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                log = (tmp / "server.log").read_text()[-3000:]
+                assert server.poll() is None and time.time() < deadline, log
+                time.sleep(0.5)
+        yield uri, port
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def login(monkeypatch, user: str | None, password: str | None) -> dict:
+    """The two client variables, for this process and for a CLI it starts."""
+    variables = {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+    for key, value in variables.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    return {k: v for k, v in variables.items() if v is not None}
+
+
+def test_a_server_that_wants_a_login_is_one_line_naming_the_variables(team_server, tmp_path, monkeypatch):
+    uri, _ = team_server
+    login(monkeypatch, None, None)
+    proc = run_cli(tmp_path, "-m", "seed=1,2", *PLAN, "tracking=server", f"tracking.uri={uri}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: tracking uri {uri} wants credentials: set MLFLOW_TRACKING_USERNAME / "
+        "MLFLOW_TRACKING_PASSWORD to your account on that server (the server's admin sets accounts up: "
+        "docs/mlflow.md)"
+    )
+    assert "Traceback" not in proc.stderr
+    login(monkeypatch, USER, "wrong-password")  # a single run this time
+    proc = run_cli(tmp_path, *PLAN, "tracking=server", f"tracking.uri={uri}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: tracking uri {uri} refused the credentials of user 'alice': check MLFLOW_TRACKING_USERNAME "
+        "/ MLFLOW_TRACKING_PASSWORD (the server's admin sets accounts up: docs/mlflow.md)"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_teammate_with_an_account_records_through_the_hosts_address(team_server, tmp_path, monkeypatch):
+    uri, port = team_server
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback address")
+    # the admin adds the teammate's account, as docs/mlflow.md shows
+    login(monkeypatch, "admin", ADMIN_PASSWORD)
+    from mlflow.server import get_app_client
+
+    get_app_client("basic-auth", tracking_uri=uri).create_user(USER, PASSWORD)
+    remote = f"http://{address}:{port}"  # not loopback: the Host header a teammate's client sends
+    env = login(monkeypatch, USER, PASSWORD)
+    proc = run_cli(
+        tmp_path, "-m", "seed=1,2", *PLAN, "tracking=server", f"tracking.uri={remote}", env=env, timeout=1500
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(remote)
+    (sweep_file,) = tmp_path.glob("multirun/*/mlflow_sweep.json")
+    ids = json.loads(sweep_file.read_text())
+    children = client.search_runs(
+        [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{ids['parent_run_id']}'"
+    )
+    assert sorted(r.data.params["seed"] for r in children) == ["1", "2"]
+    assert {r.info.status for r in children} == {"FINISHED"}
+    assert {r.data.tags["mlflow.user"] for r in children} == {USER}
+    # a stranger reaching the same address is turned away
+    login(monkeypatch, None, None)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{remote}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+    assert err.value.code == 401
+
+
+def test_sweeps_creating_the_experiment_at_once_on_a_server_get_one(team_server, monkeypatch):
+    uri, _ = team_server
+    login(monkeypatch, "admin", ADMIN_PASSWORD)
+    ids, errors = [], []
+
+    def create():
+        try:
+            ids.append(Tracker(uri).experiment_id("created-at-once"))
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=create) for _ in range(N_SWEEPS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(ids) == N_SWEEPS and len(set(ids)) == 1, (errors, ids)
