@@ -7,10 +7,35 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline import runner, sweep
-from pipeline.config import ConfigError, check_group_overrides, validate
+from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, validate
+from pipeline.keys import check_keys
+
+# `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
+GROUP_HELP = {
+    "optim": "the optimizer and its settings, docs/optimizers.md",
+    "model": "the model fine-tuned for sequence classification (tiny: 1M parameters, for tests)",
+    "data": "the dataset (csv: your own files, data.train_file and data.eval_file)",
+    "backend": "the training loop, the HF Trainer (an optim= string) or an Accelerate loop (the object)",
+    "tracking": "the MLflow store, local (sqlite under outputs_dir) or a server (tracking.uri)",
+    "launcher": "where and how many jobs run at once, docs/scaling.md",
+    "protocol": "+protocol=tune_lr puts every optimizer on a learning-rate grid with seeds, docs/tuning.md",
+}
+
+
+def config_groups() -> str:
+    """`group   what it is; options: a, b, ...`, one line per config group of conf/."""
+    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+    width = max(map(len, groups))
+    return "\n".join(
+        f"{g:<{width}}  {GROUP_HELP.get(g, g)}; options: {', '.join(sorted(p.stem for p in (CONF_DIR / g).glob('*.yaml')))}"
+        for g in groups
+    )
+
+
+OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -34,6 +59,7 @@ def interrupted(signum, frame):
 if __name__ == "__main__":
     try:
         check_group_overrides(sys.argv[1:])
+        check_keys(sys.argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -225,20 +225,23 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
 def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     """One point: skip it when it FINISHED before, else open its run (under the sweep's parent run, whose ids
     `sweep` holds; None for a single run), run its job process and record the result or the failure."""
-    from pipeline.tracking import DESCRIPTION, Tracker, ui_url
+    from pipeline.tracking import DESCRIPTION, StoreError, Tracker, ui_url
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    tracker = Tracker.for_config(cfg)
-    experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id(cfg.tracking.experiment)
+    try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
+        tracker = Tracker.for_config(cfg)
+        experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id(cfg.tracking.experiment)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     name, point = run_name(cfg), config_hash(cfg)
     ranks = scheduler_ranks(cfg)
-    if not cfg.force:
-        done = tracker.finished_run(experiment_id, point)
-        if done is not None:
-            print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
-            (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
-            return Outcome(name, "SKIPPED", done.data.metrics.get(selection_metric(cfg)))
+    done = tracker.finished_run(experiment_id, point)  # skipped, or with force=true replaced (tags below)
+    if done is not None and not cfg.force:
+        print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
+        (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
+        return Outcome(name, "SKIPPED", done.data.metrics.get(selection_metric(cfg)))
     pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
     if ranks.get("RANK", "0") != "0":
         return follow_rank(cfg, job_dir, pool_dir, ranks)
@@ -250,6 +253,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             "job_dir": str(job_dir.resolve()),
             "overrides": " ".join(hydra_cfg.overrides.task),
             "config_hash": point,
+            **({"replaces": done.info.run_id} if done is not None else {}),
         },
     )
     print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
@@ -274,6 +278,8 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             if result.get("datasets"):
                 tracker.log_datasets(run_id, result["datasets"])
             tracker.end(run_id, "FINISHED")
+            if done is not None:  # force=true: the point's earlier result now has a later one
+                tracker.log(done.info.run_id, tags={"replaced_by": run_id})
             return Outcome(name, "FINISHED", result["metrics"].get(selection_metric(cfg)))
         tags = {
             "error": failure.summary,

@@ -20,9 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import browse
 from pipeline.runner import SKIPPED_FILE, Outcome
-from pipeline.tracking import Tracker
+from pipeline.tracking import StoreError, Tracker
 
 SWEEP_FILE = "mlflow_sweep.json"
+SKIPPED_RUN = (
+    "skipped_run."  # parent-run tag prefix: skipped_run.<job number> = the run that point FINISHED as
+)
 SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1", "train_samples_per_second")
 
 
@@ -64,6 +67,31 @@ def current_ids() -> dict | None:
     """The MLflow ids of the sweep the running Hydra job belongs to (None for a single run)."""
     hydra_cfg = HydraConfig.get()
     return sweep_ids(Path(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def claim_sweep_dir(config: DictConfig) -> None:
+    """Sweeps started in the same second in one outputs_dir would share multirun/<time> (job folders and
+    SWEEP_FILE): the first takes that folder, the others <time>-2, <time>-3, ... by giving Hydra's cached
+    `${now:...}` that value, which every job of this sweep resolves its folder from. A folder given by hand
+    (hydra.sweep.dir=...) or a pattern not ending in the time is used as it is."""
+    if any(str(o).startswith("hydra.sweep.dir=") for o in config.hydra.overrides.hydra):
+        return
+    base = Path(str(config.hydra.sweep.dir))  # resolves (and caches) the time
+    cache = OmegaConf.get_cache(config)
+    key = next((k for k, v in cache.get("now", {}).items() if v == base.name), None)
+    if key is None:
+        return
+    base.parent.mkdir(parents=True, exist_ok=True)
+    name, n = base.name, 1
+    while True:
+        try:
+            (base.parent / name).mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            name = f"{base.name}-{n}"
+    cache["now"][key] = name
+    OmegaConf.set_cache(config, cache)
 
 
 def summary_table(runs) -> str:
@@ -148,10 +176,15 @@ class SweepCallback(Callback):
         if err is not None:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        claim_sweep_dir(config)  # another sweep started in the same second has its own folder
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        tracker = Tracker.for_config(config)
-        experiment_id = tracker.experiment_id(config.tracking.experiment)
+        try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
+            tracker = Tracker.for_config(config)
+            experiment_id = tracker.experiment_id(config.tracking.experiment)
+        except StoreError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
         overrides = " ".join(config.hydra.overrides.task)
         parent = tracker.start_run(
             experiment_id,
@@ -186,11 +219,16 @@ class SweepCallback(Callback):
         RESULT.failed[:] = failed_job_lines(runs)
         skipped = list(Path(config.hydra.sweep.dir).glob(f"**/{SKIPPED_FILE}"))
         RESULT.skipped[:] = [path.parent.name for path in skipped]
-        tracker.log(ids["parent_run_id"], metrics={"jobs": len(runs), "jobs_failed": len(failed)})
-        print(f"\n[sweep] {count_line(runs)}; parent run {ids['parent_run_id']}")
-        tracker.describe(ids["parent_run_id"], count_line(runs))
+        # the parent refers to the runs its skipped points FINISHED as before (`skipped_run.<job>`): its
+        # report covers every point, and a rerun whose points were all done is a reference, not an empty run
+        found = {f"{SKIPPED_RUN}{path.parent.name}": path.read_text().strip() for path in skipped}
+        metrics = {"jobs": len(runs), "jobs_failed": len(failed), "jobs_skipped": len(found)}
+        tracker.log(ids["parent_run_id"], metrics=metrics, tags=found)
+        line = count_line(runs) + (f", {len(found)} skipped (FINISHED before)" if found else "")
+        print(f"\n[sweep] {line}; parent run {ids['parent_run_id']}")
+        tracker.describe(ids["parent_run_id"], line)
         status = "FAILED" if failed else "FINISHED"
-        if runs:
+        if runs or found:
             metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
             self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir), metric, status)
         print(browse.sweep_line(tracker.uri, ids))

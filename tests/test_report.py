@@ -102,6 +102,10 @@ def test_runs_csv_holds_every_param_and_metric_exactly(sweep, out):
                 "failure_reason",
                 "error",
                 "collapsed",
+                "config_hash",
+                "replaced_by",
+                "trainer_optim",
+                "peak_breakdown",
                 "start_time",
                 "end_time",
             )

@@ -8,7 +8,36 @@ from pathlib import Path
 
 from pipeline.report.columns import BASELINE, QUALITY, QUALITY_METRICS, TARGET_FRACTION
 from pipeline.report.render import build, console_text
-from pipeline.report.runs import EXPERIMENT, ReportError, default_tracking_uri
+from pipeline.report.runs import EXPERIMENT, OUTPUTS, ReportError, list_sweeps
+from pipeline.tracking import store_uri
+
+# what a sweep's command line names its store by, taken here too (`outputs_dir=DIR tracking.uri=URI`)
+OVERRIDES = {
+    "outputs_dir": "outputs_dir",
+    "tracking.uri": "tracking_uri",
+    "tracking.experiment": "experiment",
+}
+
+
+def overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`key=value` arguments, as a sweep takes them, onto the options they stand for."""
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in OVERRIDES:
+            parser.error(f"{item!r}: takes only {', '.join(k + '=...' for k in OVERRIDES)} (as a sweep does)")
+        setattr(args, OVERRIDES[key], value)
+
+
+def show_sweeps(uri: str) -> None:
+    """`--list`: the sweeps of the store, one line each."""
+    sweeps = list_sweeps(uri)
+    print(f"store: {uri}")
+    print(sweeps.to_string(index=False) if len(sweeps) else "no sweeps")
+    alone = sweeps.attrs.get("single_runs", 0)
+    if alone:
+        print(
+            f"and {alone} single run{'s' if alone != 1 else ''} outside any sweep (report one: --run RUN_ID)"
+        )
 
 
 def main(argv=None) -> int:
@@ -16,7 +45,7 @@ def main(argv=None) -> int:
         prog="python -m pipeline.report",
         description="Comparison report of a sweep's MLflow runs: report.md, report.html, runs.csv, "
         "comparison.csv (tuned.csv where learning rates were tuned) and PNG plots. Default: the latest sweep "
-        "of the experiment.",
+        "with results in the store of outputs_dir (outputs/ unless given), its report under <outputs_dir>/report/.",
     )
     parser.add_argument(
         "--sweep",
@@ -24,7 +53,8 @@ def main(argv=None) -> int:
         default=[],
         metavar="ID_OR_NAME",
         help="a sweep's parent run id or run name (e.g. sweep-2026-01-31_12-00-00); repeat for several "
-        "sweeps, whose jobs are then compared together (more seeds of the same points are pooled)",
+        "sweeps, whose jobs are then compared together (more seeds of the same points are pooled; each point, by "
+        "config hash, counted once: its latest FINISHED run)",
     )
     parser.add_argument(
         "--experiment",
@@ -35,11 +65,37 @@ def main(argv=None) -> int:
         "--whole-experiment", action="store_true", help="every job of the experiment, from every sweep"
     )
     parser.add_argument(
-        "--tracking-uri",
-        help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs path>/outputs/mlflow.db)",
+        "--run",
+        action="append",
+        default=[],
+        metavar="RUN_ID",
+        help="report these job runs on their own (repeat for several), e.g. a single run's",
     )
     parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="output folder (default: outputs/report/<sweep run name>/)"
+        "--list", action="store_true", help="list the sweeps of the store (name, status, jobs, ...) and exit"
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs path>/<outputs dir>/mlflow.db)",
+    )
+    parser.add_argument(
+        "--outputs-dir",
+        metavar="DIR",
+        help="the sweep's outputs_dir: its store (unless --tracking-uri) and where the report goes "
+        "(default: the sweep's own outputs_dir, else the local store's folder, else outputs)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="output folder (default: <outputs dir>/report/<sweep run name>/)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="outputs_dir=DIR, tracking.uri=URI, tracking.experiment=NAME: the same as a sweep's (the "
+        "options above)",
     )
     parser.add_argument("--baseline", default=BASELINE, help="optimizer the Δ columns compare against")
     parser.add_argument(
@@ -58,25 +114,31 @@ def main(argv=None) -> int:
         "the best final one among the optimizers of its point (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    if args.sweep and args.whole_experiment:
-        parser.error("--sweep and --whole-experiment exclude each other")
+    overrides(parser, args)
+    if sum(map(bool, (args.sweep, args.whole_experiment, args.run))) > 1:
+        parser.error("--sweep, --run and --whole-experiment exclude each other")
     if not 0 < args.target_fraction <= 1:
         parser.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
-    uri = default_tracking_uri(args.tracking_uri)
+    uri = store_uri(args.tracking_uri, args.outputs_dir or OUTPUTS)
     # a missing sqlite file would be created empty by MLflow: say what is wrong instead
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         print(f"error: no MLflow store at {uri}: run a sweep first (make run)", file=sys.stderr)
         return 2
     try:
+        if args.list:
+            show_sweeps(uri)
+            return 0
         out, table = build(
             uri,
             args.sweep,
             args.experiment,
             args.whole_experiment,
             args.out,
+            root=Path(args.outputs_dir) / "report" if args.outputs_dir else None,
             baseline=args.baseline,
             quality_metric=args.quality_metric,
             target_fraction=args.target_fraction,
+            runs=args.run,
         )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -67,12 +67,18 @@ LEGEND = {
     "predicted peak [MB]": "peak predicted from shapes alone (`predicted_peak_mb`: weights + state + the larger "
     "of activations and gradients + the optimizer step's temporaries), for the largest batch",
     "prediction error [%]": "(predicted − measured) / measured peak (`predicted_peak_error_pct`)",
-    "peak: weights / gradients / optimizer state / activations / other [MB]": "what the peak of the profiled "
-    "step (step 2) is made of, by PyTorch's MemTracker (`peak_params_mb`, ...); other = the backward pass's "
-    "and the optimizer step's temporaries (on CUDA also what the allocator holds outside tensors); empty where the tracker cannot follow the optimizer",
+    "peak: weights / gradients / optimizer state / activations / other [MB]": "what memory holds at the "
+    "moment of the peak of the profiled step (step 2; tag `peak_breakdown`), by PyTorch's MemTracker "
+    "(`peak_params_mb`, ...): not each part's own maximum. Gradients 0 means the peak falls before the first "
+    "gradient is written (forward or early backward), activations 0 that it falls after backward (the "
+    "optimizer step); other = the backward pass's and the optimizer step's temporaries (on CUDA also what the "
+    "allocator holds outside tensors); empty where the tracker cannot follow the optimizer",
     "train loss [nats]": "cross-entropy of the last training step (`train_loss_final`)",
     "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`)",
-    "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of label 1 for 2 labels, macro F1 otherwise",
+    "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of class 1 for 2 labels (its name: the "
+    "preamble, param `label_names`), macro F1 otherwise",
+    "optimizer (variant)": "an optimizer the Trainer runs otherwise than the plain one (param `optim_variant`, "
+    "tag `trainer_optim`): the variant is named beside it and explained in the preamble",
     "throughput [samples/s]": "training samples per second over the steady steps, warm-up left out "
     "(`train_samples_per_second`; the tag `throughput_steps` names the steps)",
     "throughput [tokens/s]": "non-padding training tokens per second over the steady steps (`train_tokens_per_second`)",
@@ -138,6 +144,23 @@ PLAN_COLUMNS = {
     "largest batch [samples]": "predicted_max_batch_size",
     "accelerate estimate [MB]": "accelerate_estimate_mb",
     "18 bytes/param [MB]": "bytes_rule_mb",
+}
+
+# param optim_variant -> (the label beside the optimizer, what it means); `plain` gets none
+VARIANTS = {
+    "trainer_embedding_fp32": (
+        "Trainer: fp32 embedding state",
+        "the Trainer's bitsandbytes 8-bit path keeps the state of embedding weights in 32-bit (param "
+        "`optim_variant=trainer_embedding_fp32`), so on a model made mostly of embeddings (`tiny`) its state is "
+        "close to AdamW's; the accelerator backend (or a setting the Trainer's string cannot carry) runs the "
+        "plain optimizer; docs/optimizers.md",
+    ),
+}
+# what the parts at the moment of the peak say of when it fell (peak_phase)
+PHASES = {
+    "forward": "forward or early backward (no gradient yet)",
+    "backward": "backward (activations and gradients both held)",
+    "step": "optimizer step (activations freed, gradients held)",
 }
 
 FAILURE_LABELS = {

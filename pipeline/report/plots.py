@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.report.tables import pareto_front, point_columns
+from pipeline.report.columns import PHASES
+from pipeline.report.tables import pareto_front, peak_phase, point_columns
 from pipeline.report.tuned import tuned_points
 
 # the training-loss plot's smoothing: an exponential moving average with this weight on the previous value
@@ -24,7 +25,8 @@ PLOTS = {
     "train_loss.png": "Training loss per optimizer (line: exponential moving average, weight "
     f"{EMA_WEIGHT}, of the mean over seeds; faint: the raw per-step mean, band: min to max over seeds)",
     "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
-    "peak_breakdown.png": "What the peak is made of (profiled step), with the measured and the predicted peak",
+    "peak_breakdown.png": "Memory at the moment of the peak of the profiled step, by part (not each part's own "
+    "maximum), with the phase the parts show (in brackets) and the measured and the predicted peak",
 }
 # the tuned section's plots ({} = the quality metric's label), drawn only where learning rates were tuned
 TUNED_PLOTS = {
@@ -129,10 +131,12 @@ def plot_throughput(table: pd.DataFrame, colors: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
-    """Stacked bars of the peak's parts per row, the measured peak (black tick) and the predicted one (red)."""
+def plot_breakdown(table: pd.DataFrame, path: Path, step: str = "step 2") -> None:
+    """Stacked bars of what memory holds at the moment of the peak per row (the phase the parts show under
+    each label), the measured peak (black tick) and the predicted one (red)."""
     fig, ax = _figure(width=max(8, 0.7 * len(table) + 3))
-    labels = _labels(table, ["optim", *point_columns(table)])
+    phases = peak_phase(table).map(lambda p: f"\n({PHASES[p].split(' (')[0]})" if p else "")
+    labels = _labels(table, ["optim", *point_columns(table)]) + phases
     parts = table[list(BREAKDOWN.values())].set_axis(list(BREAKDOWN), axis=1).set_index(labels)
     parts.plot.bar(ax=ax, stacked=True, rot=30, color=["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8c8c8c"])
     x = range(len(table))
@@ -140,15 +144,64 @@ def plot_breakdown(table: pd.DataFrame, path: Path) -> None:
     if table["predicted peak [MB]"].notna().any():
         ax.scatter(x, table["predicted peak [MB]"], marker="_", s=900, color="r", zorder=3, label="predicted")
     ax.set_xlabel("")
-    ax.set_ylabel("memory at the peak [MB]")
-    ax.set_title("What the peak is made of")
+    ax.set_ylabel("memory at the moment of the peak [MB]")
+    ax.set_title(f"Memory at the moment of the peak ({step}), by part")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path)
 
 
+def place_labels(ax, points, texts, fontsize: float = 8) -> list:
+    """Annotate each point with its text at the first of a few places around it where the label overlaps no
+    label placed before (points on top of each other get labels stacked beside them); the boxes drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = ax.figure
+    if not hasattr(fig.canvas, "get_renderer"):  # a bare Figure: Agg, as savefig would use for a PNG
+        FigureCanvasAgg(fig)
+    fig.canvas.draw()  # the layout and the axes' limits as they will be saved
+    renderer = fig.canvas.get_renderer()
+    offsets = [
+        (6, 6),
+        (6, -14),
+        (-6, 6),
+        (-6, -14),
+        (6, 18),
+        (6, -26),
+        (-6, 18),
+        (-6, -26),
+        (6, 30),
+        (6, -38),
+    ]
+    boxes = []
+    for (x, y), text in zip(points, texts, strict=True):
+        best = None
+        for dx, dy in offsets:
+            note = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                fontsize=fontsize,
+                ha="left" if dx > 0 else "right",
+            )
+            box = note.get_window_extent(renderer).expanded(1.05, 1.1)
+            free = not any(box.overlaps(b) for b in boxes)
+            if free:
+                best = (note, box)
+                break
+            note.remove()
+        if best is None:  # nowhere free: the first place, offset down by the labels already there
+            note = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=(6, 6 - 12 * len(boxes)), fontsize=fontsize
+            )
+            best = (note, note.get_window_extent(renderer))
+        boxes.append(best[1])
+    return boxes
+
+
 def plot_f1_peak(
     table: pd.DataFrame, colors: dict, path: Path, y: str = "eval F1 [0-1]", name: str = "eval F1"
-) -> None:
+) -> list:
     """`y` against peak memory, one point per row, the Pareto front marked (the comparison's eval F1, or the
     tuned table's test metric at each optimizer's best rate)."""
     x = "peak [MB]"
@@ -158,8 +211,6 @@ def plot_f1_peak(
         ax.errorbar(
             rows[x], rows[y], rows[f"{y} std"], rows[f"{x} std"], "o", color=colors[optim], label=optim
         )
-        for _, row in rows.iterrows():
-            ax.annotate(row.label, (row[x], row[y]), textcoords="offset points", xytext=(6, 6), fontsize=8)
     front = points[points.front].sort_values(x)
     ax.plot(front[x], front[y], "k--", drawstyle="steps-post", lw=1, label="Pareto front")
     ax.scatter(front[x], front[y], s=220, facecolors="none", edgecolors="k", lw=1.2)
@@ -168,7 +219,11 @@ def plot_f1_peak(
     ax.set_title(f"{name[0].upper()}{name[1:]} against peak memory (up and left is better)")
     ax.grid(alpha=0.3)
     ax.legend()
+    shown = points.dropna(subset=[x, y])
+    # the labels last, where the axes' limits are final: points on top of each other get labels that do not
+    boxes = place_labels(ax, list(zip(shown[x], shown[y], strict=True)), list(shown.label))
     fig.savefig(path)
+    return boxes
 
 
 def ema(values, weight: float = EMA_WEIGHT) -> np.ndarray:

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import re
 from pathlib import Path
 
 import pandas as pd
 
-from pipeline.report.columns import BASELINE, LEGEND, QUALITY, QUALITY_METRICS, TARGET_FRACTION, TUNED_LEGEND
+from pipeline.report.columns import (
+    BASELINE,
+    LEGEND,
+    QUALITY,
+    QUALITY_METRICS,
+    TARGET_FRACTION,
+    TUNED_LEGEND,
+    VARIANTS,
+)
 from pipeline.report.plots import (
     BREAKDOWN,
     PLOTS,
@@ -33,7 +42,10 @@ from pipeline.report.runs import (
     find_sweeps,
     job_table,
     loss_history,
+    one_per_point,
     search_jobs,
+    skipped_runs,
+    sweep_names,
     validation_history,
 )
 from pipeline.report.tables import (
@@ -103,6 +115,56 @@ def _about(
     return lines
 
 
+def f1_note(jobs: pd.DataFrame) -> str | None:
+    """Which class `eval F1` is about, from each data set's `label_names` (class names by id)."""
+    if "label_names" not in jobs:
+        return None
+    notes = []
+    pairs = jobs.reindex(columns=["data", "label_names"]).dropna(subset=["label_names"]).drop_duplicates()
+    for data, names in pairs.itertuples(index=False):
+        try:
+            labels = {int(k): v for k, v in json.loads(names).items()}
+        except (ValueError, AttributeError):
+            continue
+        classes = ", ".join(f"{k} = {v}" for k, v in sorted(labels.items()))
+        on = f" on {data}" if isinstance(data, str) and len(pairs) > 1 else ""
+        if len(labels) == 2:
+            notes.append(
+                f"eval F1{on} is the F1 of class 1, `{labels[1]}` (classes {classes}; param `label_names`)"
+            )
+        else:
+            notes.append(f"eval F1{on} is the macro-F1 over {len(labels)} classes ({classes})")
+    return "; ".join(notes) or None
+
+
+def variant_notes(jobs: pd.DataFrame) -> list[str]:
+    """One line per optimizer the Trainer ran otherwise than the plain one (param `optim_variant`)."""
+    if "optim_variant" not in jobs:
+        return []
+    ran = jobs[jobs.optim_variant.isin(list(VARIANTS))].reindex(
+        columns=["optim", "optim_variant", "trainer_optim"]
+    )
+    return [
+        f"`{optim} ({VARIANTS[variant][0]})`: {VARIANTS[variant][1]}"
+        + (f" (Trainer `optim={string}`)" if isinstance(string, str) else "")
+        for optim, variant, string in ran.drop_duplicates(["optim", "optim_variant"]).itertuples(index=False)
+    ]
+
+
+def count_note(jobs: pd.DataFrame, left_out: int, pooled: bool) -> str | None:
+    """How pooled runs count: each point (config hash) once."""
+    if not pooled and not left_out:
+        return None
+    replaced = ""
+    if "replaced_by" in jobs and left_out:
+        replaced = " (a point rerun with force=true: the earlier run has the tag `replaced_by`)"
+    return (
+        "each point counted once: the latest FINISHED run per config hash (tag `config_hash`), so pooled sweeps "
+        f"and reruns add no duplicate seeds; {left_out} earlier run{'s' if left_out != 1 else ''} of the same "
+        f"points left out{replaced}"
+    )
+
+
 def write_report(
     out: Path,
     title: str,
@@ -152,7 +214,9 @@ def write_report(
         if table["throughput [tokens/s]"].notna().any():
             plot_throughput(table, colors, out / "throughput.png")
         if table[list(BREAKDOWN.values())].notna().all(axis=1).any():
-            plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png")
+            steps = jobs.reindex(columns=["peak_breakdown"]).peak_breakdown.dropna()
+            step = next((t for t in steps if str(t).startswith("step ")), "profiled step")
+            plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png", step)
         if tuned is not None:
             plot_val_vs_lr(tuned.rates, colors, out / "val_vs_lr.png", label)
             if not tuned.curves.empty:
@@ -269,6 +333,8 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
     """What a sweep and `make report` print: the short table, the tuned one when rates were tuned, and the
     largest batches when searched."""
     text = console_table(table) if len(table) else "no finished training jobs"
+    note = f1_note(pd.read_csv(out / "runs.csv")) if len(table) and (out / "runs.csv").exists() else None
+    text += f"\n({note.replace('`', '')})" if note else ""
     if (out / "tuned.csv").exists():
         tuned = pd.read_csv(out / "tuned.csv")
         text += "\n\ntuned learning rate (each optimizer at its best validation rate; test split):\n"
@@ -286,34 +352,54 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
     return text
 
 
+def outputs_of(uri: str, parents: pd.DataFrame | None) -> Path:
+    """The outputs_dir a report goes under when none is given: the sweep's own (its parent run's tag
+    `sweep_dir` is <outputs_dir>/multirun/<time>) where that folder is on this machine, else the folder of a
+    local (sqlite) store, which lives at <outputs_dir>/mlflow.db, else `outputs`."""
+    for sweep_dir in (
+        [] if parents is None else parents.reindex(columns=["tags.sweep_dir"]).iloc[:, 0].dropna()
+    ):
+        if Path(sweep_dir).is_dir():
+            return Path(sweep_dir).parent.parent
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).parent
+    return Path(OUTPUTS)
+
+
 def build(
     uri: str,
     sweeps=(),
     experiment: str = EXPERIMENT,
     whole_experiment: bool = False,
     out: Path | None = None,
-    root: Path = Path(OUTPUTS) / "report",
+    root: Path | None = None,
     baseline: str = BASELINE,
     quality_metric: str = QUALITY,
     target_fraction: float = TARGET_FRACTION,
     status: str | None = None,
+    runs=(),
 ) -> tuple[Path, pd.DataFrame]:
-    """Read the runs, write the report to `out` (default root/<sweep name>); the folder and the table.
-    `quality_metric` (macro_f1, f1, accuracy) picks each optimizer's rate where rates were tuned, and
-    `target_fraction` sets the steps-to-target target; `status`: the sweep's final status, from a caller that
-    builds the report before closing the sweep's parent run (sweep_status)."""
-    parents = None if whole_experiment else find_sweeps(uri, sweeps, experiment)
-    raw = search_jobs(uri, parents, experiment)
-    names = {} if parents is None else parents.set_index("run_id")["tags.mlflow.runName"].to_dict()
-    jobs = job_table(raw, names)
+    """Read the runs, write the report to `out` (default root/<sweep name>, root: outputs_of); the folder and
+    the table. `runs`: run ids to report on their own, instead of sweeps. `quality_metric` (macro_f1, f1,
+    accuracy) picks each optimizer's rate where rates were tuned, and `target_fraction` sets the
+    steps-to-target target; `status`: the sweep's final status, from a caller that builds the report before
+    closing the sweep's parent run (sweep_status). Each point counts once (one_per_point)."""
+    parents = None if whole_experiment or runs else find_sweeps(uri, sweeps, experiment)
+    raw = search_jobs(uri, parents, experiment, runs)
+    jobs, left_out = one_per_point(job_table(raw, sweep_names(uri)))
     training = jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]
     table = compare(training, baseline)
-    name = experiment if parents is None else "+".join(names.values())
-    out = Path(out) if out else Path(root) / name
+    if runs:
+        name = "+".join(dict.fromkeys(jobs.run_name.astype(str)))
+    else:
+        name = experiment if parents is None else "+".join(parents["tags.mlflow.runName"])
+    out = Path(out) if out else Path(root or outputs_of(uri, parents) / "report") / name
     title = f"Optimizer comparison: {name}"
     about = _about(uri, parents, jobs, baseline, status)
-    note = rate_note(training, quality_metric)
-    about += [note] if note else []
+    pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))
+    notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), *variant_notes(training)]
+    notes.append(rate_note(training, quality_metric))
+    about += [note for note in notes if note]
     history = loss_history(uri, jobs)
     validation = None
     if is_tuned(training):

@@ -9,6 +9,9 @@ import pandas as pd
 
 EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 OUTPUTS = "outputs"  # conf/config.yaml's outputs_dir
+# a sweep's parent-run tags `skipped_run.<job number>`: the runs its skipped points had FINISHED as (written by
+# pipeline.sweep, whose SKIPPED_RUN this is; not imported: the report does not load the sweep's machinery)
+SKIPPED_RUN = "skipped_run."
 
 
 class ReportError(RuntimeError):
@@ -44,13 +47,16 @@ def find_sweeps(uri: str, selectors=(), experiment: str = EXPERIMENT) -> pd.Data
         elif mlflow.get_experiment_by_name(experiment) is None:
             raise ReportError(f"no experiment {experiment!r} in {uri}: run a sweep first (make run)")
         else:
-            # the latest sweep that ran jobs (a rerun whose points were all done before runs none)
+            # the latest sweep with results: jobs it ran, or points it found FINISHED before (a rerun whose
+            # points were all done refers to their runs); a sweep still running has neither yet
             sweeps = mlflow.search_runs(
                 experiment_names=[experiment],
-                filter_string="tags.kind = 'sweep' and metrics.jobs > 0",
+                filter_string="tags.kind = 'sweep'",
                 order_by=["attributes.start_time DESC"],
-                max_results=1,
+                max_results=200,
             )
+            counts = sweeps.reindex(columns=["metrics.jobs", "metrics.jobs_skipped"]).fillna(0)
+            sweeps = sweeps[counts.sum(axis=1) > 0].head(1)
     if sweeps.empty:
         raise ReportError(f"no sweep in {uri}" + ("" if selectors else f", experiment {experiment!r}"))
     if not selectors:
@@ -65,10 +71,35 @@ def find_sweeps(uri: str, selectors=(), experiment: str = EXPERIMENT) -> pd.Data
     return pd.concat(chosen).drop_duplicates("run_id").sort_values("start_time")
 
 
-def search_jobs(uri: str, sweeps: pd.DataFrame | None = None, experiment: str = EXPERIMENT) -> pd.DataFrame:
-    """Child runs of `sweeps` (or every job of `experiment`) as mlflow.search_runs gives them."""
+def _by_id(mlflow, run_ids: list[str]) -> pd.DataFrame:
+    """Runs by id, in any experiment, as mlflow.search_runs gives them."""
+    parts = []
+    for i in range(0, len(run_ids), 100):
+        chunk = ", ".join(f"'{run_id}'" for run_id in run_ids[i : i + 100])
+        parts.append(
+            mlflow.search_runs(search_all_experiments=True, filter_string=f"attributes.run_id IN ({chunk})")
+        )
+    return pd.concat([p for p in parts if not p.empty] or [pd.DataFrame()], ignore_index=True)
+
+
+def skipped_runs(sweeps: pd.DataFrame) -> list[str]:
+    """The run ids `sweeps` refer to for their skipped points (tags skipped_run.<job>)."""
+    columns = [c for c in sweeps if c.startswith(f"tags.{SKIPPED_RUN}")]
+    return list(dict.fromkeys(v for c in columns for v in sweeps[c].dropna()))
+
+
+def search_jobs(
+    uri: str, sweeps: pd.DataFrame | None = None, experiment: str = EXPERIMENT, runs=()
+) -> pd.DataFrame:
+    """Child runs of `sweeps` and the runs they found FINISHED before (their skipped points), or the runs
+    `runs` (ids), or every job of `experiment`, as mlflow.search_runs gives them."""
     with _store(uri) as mlflow:
-        if sweeps is None:
+        if runs:
+            raw = _by_id(mlflow, list(runs))
+            missing = [r for r in runs if raw.empty or r not in set(raw.run_id)]
+            if missing:
+                raise ReportError(f"no run with id {missing[0]!r} in {uri}")
+        elif sweeps is None:
             if mlflow.get_experiment_by_name(experiment) is None:
                 raise ReportError(f"no experiment {experiment!r} in {uri}")
             raw = mlflow.search_runs(experiment_names=[experiment])
@@ -82,10 +113,65 @@ def search_jobs(uri: str, sweeps: pd.DataFrame | None = None, experiment: str = 
                 )
                 for sweep in sweeps.itertuples()
             ]
+            found = skipped_runs(sweeps)
+            parts.append(_by_id(mlflow, found) if found else pd.DataFrame())
             raw = pd.concat([p for p in parts if not p.empty] or [pd.DataFrame()], ignore_index=True)
+            raw = raw.drop_duplicates("run_id") if "run_id" in raw else raw
     if raw.empty:
         raise ReportError(f"no jobs in {uri} for the selected sweep(s)")
     return raw
+
+
+def sweep_names(uri: str) -> dict[str, str]:
+    """Parent run id -> name of every sweep in the store."""
+    with _store(uri) as mlflow:
+        sweeps = mlflow.search_runs(filter_string="tags.kind = 'sweep'", search_all_experiments=True)
+    return {} if sweeps.empty else sweeps.set_index("run_id")["tags.mlflow.runName"].to_dict()
+
+
+def list_sweeps(uri: str) -> pd.DataFrame:
+    """The sweeps of a store, oldest first: name, experiment, status, jobs (run by it), finished, failed,
+    skipped (points found FINISHED before), started (UTC), parent run id; then the runs outside any sweep."""
+    with _store(uri) as mlflow:
+        every = mlflow.search_runs(search_all_experiments=True)
+        experiments = {e.experiment_id: e.name for e in mlflow.search_experiments()}
+    if every.empty:
+        raise ReportError(f"no runs in {uri}: run a sweep first (make run)")
+    tags = every.reindex(columns=["tags.kind", "tags.mlflow.parentRunId", "tags.mlflow.runName"])
+    is_sweep = tags["tags.kind"].eq("sweep")
+    sweeps, jobs = every[is_sweep], every[~is_sweep].assign(parent=tags["tags.mlflow.parentRunId"])
+    by_parent = jobs.groupby("parent").status
+    rows = pd.DataFrame(
+        {
+            "sweep": sweeps["tags.mlflow.runName"],
+            "experiment": sweeps.experiment_id.map(experiments),
+            "status": sweeps.status,
+            "jobs": sweeps.run_id.map(by_parent.size()).fillna(0).astype(int),
+            "finished": sweeps.run_id.map(by_parent.apply(lambda s: int(s.eq("FINISHED").sum()))).fillna(0),
+            "skipped": sweeps.reindex(columns=["metrics.jobs_skipped"]).iloc[:, 0].fillna(0),
+            "started (UTC)": sweeps.start_time.dt.strftime("%Y-%m-%d %H:%M:%S"),
+            "parent run": sweeps.run_id,
+        }
+    )
+    rows[["finished", "skipped"]] = rows[["finished", "skipped"]].astype(int)
+    alone = jobs[jobs.parent.isna()]
+    rows.attrs["single_runs"] = len(alone)
+    return rows.sort_values("started (UTC)", ignore_index=True)
+
+
+def one_per_point(jobs: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """Each point once: of the runs with the same `config_hash` (one point, rerun with force=true or pooled
+    from several sweeps), its latest FINISHED run, or its latest run where none finished; runs without a
+    hash (older ones) all stay. The runs kept, and how many were left out."""
+    if "config_hash" not in jobs or jobs.config_hash.isna().all():
+        return jobs, 0
+    order = jobs.assign(_done=jobs.status.eq("FINISHED")).sort_values(["_done", "start_time"])
+    hashed = order[order.config_hash.notna()]
+    keep = set(hashed.drop_duplicates("config_hash", keep="last").index) | set(
+        jobs.index[jobs.config_hash.isna()]
+    )
+    kept = jobs[jobs.index.isin(keep)].reset_index(drop=True)
+    return kept, len(jobs) - len(kept)
 
 
 def _typed(column: pd.Series) -> pd.Series:
@@ -108,9 +194,14 @@ def job_table(raw: pd.DataFrame, sweep_names: dict[str, str] | None = None) -> p
             "tags.error",
             "tags.failure_reason",
             "tags.collapsed",
+            "tags.config_hash",
+            "tags.replaced_by",
+            "tags.trainer_optim",
+            "tags.peak_breakdown",
         ]
     )
-    tags.columns = ["run_name", "sweep_run_id", "error", "failure_reason", "collapsed"]
+    tags.columns = [c.removeprefix("tags.") for c in tags.columns]
+    tags = tags.rename(columns={"mlflow.runName": "run_name", "mlflow.parentRunId": "sweep_run_id"})
     # predictions (nearly) all one class: True / False, empty where the job did not say (older runs)
     collapsed = tags.collapsed.map({"true": True, "false": False}).astype("boolean")
     jobs = pd.concat(
@@ -124,6 +215,7 @@ def job_table(raw: pd.DataFrame, sweep_names: dict[str, str] | None = None) -> p
             tags.failure_reason,
             tags.error,
             collapsed,
+            tags[["config_hash", "replaced_by", "trainer_optim", "peak_breakdown"]],
             raw.start_time,
             raw.end_time,
         ],

@@ -21,6 +21,7 @@ from pipeline.report.columns import (
     PLAN_KEYS,
     RATES,
     SEEDS,
+    VARIANTS,
 )
 
 
@@ -62,10 +63,24 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     for name, column in DELTAS.items():
         table[f"Δ {name} [MB]"] = table[column] - reference[column]
         table[f"Δ {name} [%]"] = 100 * (table[column] - reference[column]) / reference[column]
+    if "optim_variant" in done and done.optim_variant.isin(list(VARIANTS)).any():
+        # an optimizer the Trainer runs otherwise than the plain one: its variant, named beside it
+        label = done.optim_variant.map(lambda v: VARIANTS[v][0] if v in VARIANTS else "")
+        variant = done[keys].assign(variant=label).groupby(keys, dropna=False).variant.first()
+        table = table.merge(variant.reset_index(), on=keys, how="left")
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
     table = table.sort_values(by, ignore_index=True)
     table["optim"] = table.optim.astype(str)
-    order = [*keys, SEEDS, "state [MB]", "estimated state [MB]", "Δ state [MB]", "Δ state [%]", "peak [MB]"]
+    order = [
+        *keys,
+        "variant",
+        SEEDS,
+        "state [MB]",
+        "estimated state [MB]",
+        "Δ state [MB]",
+        "Δ state [%]",
+        "peak [MB]",
+    ]
     order += ["Δ peak [MB]", "Δ peak [%]", *list(COLUMNS)[3:]]
     return table[[c for column in order for c in (column, f"{column} std") if c in table]]
 
@@ -88,8 +103,15 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     was measured."""
     keys = [c for c in table if c in GROUP + OTHER_SETTINGS + ["optim"]]
     out = table[keys].rename(columns=KEY_LABELS)
+    if "variant" in table:  # the Trainer's variant beside the optimizer: `adamw_8bit (Trainer: ...)`
+        optimizer = KEY_LABELS["optim"]
+        out[optimizer] = [
+            f"{o} ({v})" if isinstance(v, str) and v else o
+            for o, v in zip(out[optimizer], table.variant, strict=True)
+        ]
     out[SEEDS] = table[SEEDS]
-    for column in columns or [c for c in table.columns[len(keys) + 1 :] if not c.endswith(" std")]:
+    after = table.columns[table.columns.get_loc(SEEDS) + 1 :]
+    for column in columns or [c for c in after if not c.endswith(" std")]:
         spec = "+.4g" if column.startswith("Δ") else ".4g"
         std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
         out[column] = [
@@ -109,6 +131,19 @@ def decision_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     note = ", ".join(f"{k} {shown[k].iloc[0]}" for k in shared) if len(shown) else ""
     lead = shown[[optimizer, *varied, *[c for c in shown.columns if c not in keys]]]
     return lead, f"every row: {note}" if note else ""
+
+
+def peak_phase(table: pd.DataFrame) -> pd.Series:
+    """When the peak fell, as the parts at its moment tell it (a PHASES key; '' where they do not): no
+    gradient yet -> forward (or early backward), activations freed with gradients held -> the optimizer step,
+    both held -> backward. The tracker records the parts at the peak, not the phase itself."""
+    acts = table["peak: activations [MB]"].astype(float)
+    grads = table["peak: gradients [MB]"].astype(float)
+    phase = pd.Series("", index=table.index)
+    phase[grads.le(0) & acts.gt(0)] = "forward"
+    phase[grads.gt(0) & acts.le(0)] = "step"
+    phase[grads.gt(0) & acts.gt(0)] = "backward"
+    return phase
 
 
 def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:
