@@ -8,7 +8,7 @@ from pipeline import models, optimizers
 from pipeline.config import ConfigError, validate
 from pipeline.memory import optimizer_state_size
 from tests.conftest import compose_cfg
-from tests.test_memory import one_step
+from tests.test_memory import FAST_STEP, one_step
 
 WITH_TRAINER_STRING = [name for name, spec in optimizers.REGISTRY.items() if spec.trainer_optim]
 
@@ -122,7 +122,13 @@ NEW = [
 
 def stepped(model_name: str, optim: str, precision: str, *overrides: str):
     """(model, cfg, spec, optimizer) after one real step, the model in the job's dtype."""
-    cfg = compose_cfg(f"model={model_name}", "model.pretrained=false", f"optim={optim}", *overrides)
+    cfg = compose_cfg(
+        f"model={model_name}",
+        "model.pretrained=false",
+        f"optim={optim}",
+        *FAST_STEP.get(optim, ()),
+        *overrides,
+    )
     model = models.load_model(cfg.model, num_labels=2)
     if precision == "bf16_pure":
         model.to(torch.bfloat16)
