@@ -23,9 +23,8 @@ from pipeline.runner import SKIPPED_FILE, Outcome
 from pipeline.tracking import StoreError, Tracker
 
 SWEEP_FILE = "mlflow_sweep.json"
-SKIPPED_RUN = (
-    "skipped_run."  # parent-run tag prefix: skipped_run.<job number> = the run that point FINISHED as
-)
+# parent-run tag prefix: skipped_run.<job number> = the run that skipped point FINISHED as before
+SKIPPED_RUN = "skipped_run."
 SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1", "train_samples_per_second")
 
 
