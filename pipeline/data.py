@@ -149,9 +149,8 @@ def load_splits(cfg: DictConfig) -> Splits:
 
     train, eval_, names = _encode_labels(train, eval_)
     val = None
-    if cfg.get(
-        "val_fraction"
-    ):  # fixed by split_seed; stratified (each class keeps its share) where it can be
+    # the validation split: fixed by split_seed; stratified (each class keeps its share) where it can be
+    if cfg.get("val_fraction"):
         counts = np.bincount(train["label"], minlength=len(names))
         stratify = counts.min() >= 2 and round(len(train) * cfg.val_fraction) >= len(names)
         parts = train.train_test_split(
