@@ -164,6 +164,11 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def write_table(out: Path, rows: list[dict], command: str) -> None:
+    """The Markdown table of `rows`, with the measuring time their CSV rows recorded."""
+    out.write_text(markdown(rows, command, sum(r.get("seconds") or 0.0 for r in rows)))
+
+
 def main(argv=None) -> int:
     from pipeline.optimizers import REGISTRY
 
@@ -194,8 +199,7 @@ def main(argv=None) -> int:
     if args.table_only:
         rows = [measured[key] for key in grid if key in measured]
         done = "" if len(rows) == len(grid) else f" ({len(rows)} of {len(grid)} rows measured so far)"
-        seconds = sum(r.get("seconds") or 0.0 for r in rows)
-        args.out.write_text(markdown(rows, command.strip() + done, seconds))
+        write_table(args.out, rows, command.strip() + done)
         print(f"[plan-accuracy] {args.out}: {len(rows)} of {len(grid)} rows")
         return 0
     with tempfile.TemporaryDirectory() as work:
@@ -212,8 +216,7 @@ def main(argv=None) -> int:
             print(f"[{i}/{len(grid)}] {' '.join(map(str, key[:3]))} ckpt={key[3]}: {shown}", flush=True)
             # written after every row: a long matrix that stops early keeps what it measured
             done = "" if i == len(grid) else f" (stopped early? {i} of {len(grid)} rows so far)"
-            seconds = sum(r.get("seconds") or 0.0 for r in rows)
-            args.out.write_text(markdown(rows, command.strip() + done, seconds))
+            write_table(args.out, rows, command.strip() + done)
     print(f"[plan-accuracy] {args.out}")
     return 0
 
