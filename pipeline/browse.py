@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
-from pipeline.tracking import LOCAL_UI, Tracker, is_server, store_uri, ui_url
+from pipeline.tracking import LOCAL_UI, StoreError, Tracker, auth_error, is_server, refused, store_uri, ui_url
 
 EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 HOST, PORT = "127.0.0.1", 5000  # LOCAL_UI: the address the sweep's links point to
@@ -60,8 +60,12 @@ def runs_url(tracker: Tracker, experiment: str = EXPERIMENT, local_ui: str = LOC
     found = tracker.client.get_experiment_by_name(experiment)
     if found is None:
         return None
-    tracker.mark_model_training(found)
-    tracker.save_view(found.experiment_id, VIEW_KEY, VIEW_NAME, view_state())
+    try:
+        tracker.mark_model_training(found)
+        tracker.save_view(found.experiment_id, VIEW_KEY, VIEW_NAME, view_state())
+    except Exception as err:  # a store this user may only read: the plain runs table, no saved view
+        print(f"note: the saved view could not be written ({type(err).__name__}): the plain runs table opens")
+        return ui_url(tracker.uri, found.experiment_id, local_ui=local_ui)
     return ui_url(tracker.uri, found.experiment_id, view=VIEW_KEY, local_ui=local_ui)
 
 
@@ -134,7 +138,16 @@ def main(argv=None) -> int:
         )
         return 2
     local_ui = f"http://{args.host}:{args.port}"
-    url = runs_url(Tracker(uri), args.experiment, local_ui)
+    try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
+        url = runs_url(Tracker(uri), args.experiment, local_ui)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if not refused(err):
+            raise
+        print(f"error: {auth_error(uri, err)}", file=sys.stderr)
+        return 2
     if url is None:
         url = ui_url(uri, local_ui=local_ui)
         print(f"no experiment {args.experiment!r} in {uri} yet (make run creates it); experiments: {url}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 LOCK_DIR = "gpu_locks"
 SCHEDULED = ("slurm", "submitit_local")  # launchers whose scheduler places the job (GPUs, ranks)
+SUBMITIT_DIR = ".submitit"  # in the sweep folder: submitit's folder per job (the presets' submitit_folder)
 
 
 def visible_gpus() -> list[str]:
@@ -105,3 +107,40 @@ def job_command(job_dir: Path, nproc: int, ranks_given: bool) -> list[str]:
         return [sys.executable, *job]
     # --standalone: a rendezvous on a free local port, so parallel jobs never collide on MASTER_PORT
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *job]
+
+
+def cancel_scheduled(sweep_dir: Path, launcher: str, wait_s: float = 30) -> list[str]:
+    """Cancel the jobs submitit started for a sweep that have not ended (their folders .submitit/<job id>
+    hold no result yet), as submitit's own job objects do: SLURM's through `scancel`, the local executor's by
+    SIGINT to its controller process (whose pid is the job id), which stops its tasks, waited for up to
+    `wait_s`. The ids of the jobs cancelled."""
+    from submitit.core.utils import JobPaths
+
+    folder = Path(sweep_dir) / SUBMITIT_DIR
+    if launcher not in SCHEDULED or not folder.is_dir():
+        return []
+    jobs = [p for p in sorted(folder.iterdir()) if "%" not in p.name]  # not the submission's template folder
+    pending = [p.name for p in jobs if not JobPaths(p, p.name, 0).result_pickle.exists()]
+    if launcher == "slurm":
+        import submitit
+
+        for job_id in pending:
+            submitit.SlurmJob(folder / job_id, job_id).cancel(check=False)
+        return pending
+    cancelled = []
+    for job_id in pending:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(job_id), signal.SIGINT)
+            cancelled.append(job_id)
+    deadline = time.time() + wait_s
+    while time.time() < deadline and any(_alive(int(job_id)) for job_id in cancelled):
+        time.sleep(0.2)
+    return cancelled
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

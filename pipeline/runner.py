@@ -1,7 +1,8 @@
 """One sweep point: validate, open its MLflow run, run `pipeline.job` in a fresh process, record the result.
 
 A job that fails for any reason (bad value, exception, killed process) becomes a FAILED run with its error
-text, and the sweep goes on; every run this module opens ends FINISHED, FAILED or KILLED.
+text, and the sweep goes on; every run this module opens ends FINISHED, FAILED or KILLED, or, when the store
+does not answer as the job ends, waits in the job folder's journal entry to be recorded (pipeline.journal).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import learning_rate
 from pipeline.config import ConfigError, validate
-from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE, run_description
+from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 from pipeline.optimizers import ADDED_SETTINGS
 
 SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (holds that run's id)
@@ -81,7 +82,9 @@ class Outcome:
     (what a Hydra sweeper optimises), the validation split's `val_<eval.metric>`: never the held-out test."""
 
     name: str
-    status: str  # FINISHED | FAILED | SKIPPED
+    status: (
+        str  # FINISHED | FAILED | SKIPPED | UNRECORDED (trained, waiting to be recorded: pipeline.journal)
+    )
     score: float | None = None
     reason: str = ""  # `reason: one-line error` of a failure
 
@@ -222,10 +225,38 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
     return Outcome(name, "FINISHED")
 
 
+def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
+    """(the point's latest FINISHED run or None, the job folder of its FINISHED result still waiting to be
+    recorded or None). A waiting result is recorded now when the store takes it: a resumed sweep records a
+    point trained while the store was away instead of training it again. A store that does not answer is
+    said in one line: the point is trained (its result will wait in the journal)."""
+    from pipeline import journal
+
+    try:
+        done = tracker.finished_run(experiment_id, point)
+    except Exception as err:  # the store is away: whether the point was done is not known here
+        print(f"[job] the store does not answer ({journal.first_line(err)})", file=sys.stderr, flush=True)
+        done = None
+    if done is not None:
+        return done, None
+    folder = journal.finished_waiting(Path(cfg.outputs_dir), tracker.uri, point)
+    if folder is None:
+        return None, None
+    try:
+        journal.record(tracker, folder)
+        print(f"[job] recorded the result that waited in {folder}", flush=True)
+        return tracker.finished_run(experiment_id, point), None
+    except Exception:  # still away
+        return None, folder
+
+
 def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     """One point: skip it when it FINISHED before, else open its run (under the sweep's parent run, whose ids
-    `sweep` holds; None for a single run), run its job process and record the result or the failure."""
-    from pipeline.tracking import DESCRIPTION, StoreError, Tracker, ui_url
+    `sweep` holds; None for a single run), run its job process and record the result or the failure. The
+    outcome goes through the journal (pipeline.journal): when the store is away at the end, it waits in the
+    job folder to be recorded later, and the sweep goes on."""
+    from pipeline import journal
+    from pipeline.tracking import StoreError, Tracker, ui_url
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
@@ -237,7 +268,12 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         sys.exit(2)
     name, point = run_name(cfg), config_hash(cfg)
     ranks = scheduler_ranks(cfg)
-    done = tracker.finished_run(experiment_id, point)  # skipped, or with force=true replaced (tags below)
+    done, waiting = finished_before(
+        tracker, cfg, experiment_id, point
+    )  # skipped, or with force=true replaced
+    if waiting is not None and not cfg.force:
+        print(f"[job] {name}: skipped, trained before: its result waits to be recorded in {waiting}")
+        return Outcome(name, "UNRECORDED", reason=f"waits in {waiting}")
     if done is not None and not cfg.force:
         print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
         (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
@@ -245,56 +281,79 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
     if ranks.get("RANK", "0") != "0":
         return follow_rank(cfg, job_dir, pool_dir, ranks)
-    run_id = tracker.start_run(
-        experiment_id,
-        name,
-        parent_run_id=sweep and sweep["parent_run_id"],
-        tags={
-            "job_dir": str(job_dir.resolve()),
-            "overrides": " ".join(hydra_cfg.overrides.task),
-            "config_hash": point,
-            **({"replaces": done.info.run_id} if done is not None else {}),
-        },
-    )
-    print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
+    parent_run_id = sweep and sweep["parent_run_id"]
+    tags = {
+        "job_dir": str(job_dir.resolve()),
+        "overrides": " ".join(hydra_cfg.overrides.task),
+        "config_hash": point,
+        **({"replaces": done.info.run_id} if done is not None else {}),
+    }
+    start, run_id = journal.now_ms(), None
+    try:  # the run opens now, so that the UI shows it while it trains; a store away opens it when recorded
+        run_id = tracker.start_run(experiment_id, name, parent_run_id, tags, start_time=start)
+        print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
+        tracker.log(run_id, params=job_params(cfg))
+    except Exception as err:
+        print(
+            f"[job] {name}: the store does not answer ({journal.first_line(err)}): training anyway, the result "
+            f"will wait in {job_dir / journal.UNRECORDED_FILE}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         failure = None
         try:
             validate(cfg)
         except ConfigError as err:
             failure = Failure("config", f"ConfigError: {err}")
-        tracker.log(run_id, params=job_params(cfg))
         save_config(cfg, job_dir)
-        tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         result = None
         if failure is None and cfg.plan:  # shapes only, no weights: in this process, in seconds
             failure, result = plan_in_process(cfg)
+            if result is not None:
+                (job_dir / RESULT_FILE).write_text(json.dumps(result))
         elif failure is None:
             failure = run_job_process(cfg, job_dir, pool_dir, ranks)
+        if failure is not None:
+            (job_dir / ERROR_FILE).write_text(failure.text)
+        journal.write(
+            job_dir,
+            journal.entry(
+                tracking_uri=tracker.uri,
+                experiment_id=experiment_id,
+                name=name,
+                run_id=run_id,
+                parent_run_id=parent_run_id,
+                tags=tags,
+                params=job_params(cfg),
+                start_time=start,
+                failure=failure,
+                replaces=done.info.run_id if done is not None else None,
+            ),
+        )
+        score = None
         if failure is None:
-            result = result or json.loads((job_dir / RESULT_FILE).read_text())
-            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"])}
-            tracker.log(run_id, result["metrics"], result["series"], result["params"], tags)
-            if result.get("datasets"):
-                tracker.log_datasets(run_id, result["datasets"])
-            tracker.end(run_id, "FINISHED")
-            if done is not None:  # force=true: the point's earlier result now has a later one
-                tracker.log(done.info.run_id, tags={"replaced_by": run_id})
-            return Outcome(name, "FINISHED", result["metrics"].get(selection_metric(cfg)))
-        tags = {
-            "error": failure.summary,
-            "failure_reason": failure.reason,
-            DESCRIPTION: f"FAILED: {failure.line}",
-        }
-        tracker.log(run_id, failure.metrics, tags=tags)
-        (job_dir / ERROR_FILE).write_text(failure.text)
-        tracker.log_artifact(run_id, job_dir / ERROR_FILE)
-        tracker.end(run_id, "FAILED")
+            score = json.loads((job_dir / RESULT_FILE).read_text())["metrics"].get(selection_metric(cfg))
+        try:
+            journal.record(tracker, job_dir)
+        except Exception as err:  # the store is away: the outcome waits in the journal, the sweep goes on
+            what = "FINISHED" if failure is None else f"FAILED ({failure.line})"
+            print(
+                f"[job] {name} {what}, not recorded: the store does not answer ({journal.first_line(err)}); "
+                f"it waits in {job_dir / journal.UNRECORDED_FILE}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return Outcome(name, "UNRECORDED", score, reason=f"waits in {job_dir}")
+        if failure is None:
+            return Outcome(name, "FINISHED", score)
         print(f"[job] {name} FAILED ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
         return Outcome(name, "FAILED", reason=failure.line)
-    except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed), or a store failure
+    except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed)
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
-        tracker.end(run_id, status)
-        if sweep:
-            tracker.end(sweep["parent_run_id"], status)
+        with contextlib.suppress(Exception):  # a store that is away keeps them RUNNING
+            if run_id is not None:
+                tracker.end(run_id, status)
+            if sweep:
+                tracker.end(sweep["parent_run_id"], status)
         raise

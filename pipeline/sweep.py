@@ -9,6 +9,7 @@ job starts; jobs find their ids in SWEEP_FILE in the sweep folder, so parallel j
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import browse
+from pipeline import browse, journal
 from pipeline.runner import SKIPPED_FILE, Outcome
 from pipeline.tracking import StoreError, Tracker
 
@@ -34,21 +35,33 @@ class SweepResult:
 
     failed: list[str] = field(default_factory=list)  # `name (reason: error)` of each job that did not finish
     skipped: list[str] = field(default_factory=list)  # points that had FINISHED before (resume)
+    unrecorded: list[str] = field(default_factory=list)  # job folders whose outcome waits (pipeline.journal)
+    record_command: str = ""  # what records them once the store is back
+    unclosed: bool = False  # the parent run could not be closed (the store was away at the end)
 
     def add(self, outcome: Outcome) -> None:
         if outcome.status == "SKIPPED":
             self.skipped.append(outcome.name)
+        elif outcome.status == "UNRECORDED":
+            self.unrecorded.append(outcome.reason.removeprefix("waits in "))
         elif outcome.status != "FINISHED":
             self.failed.append(f"{outcome.name} ({outcome.reason})")
 
     def finish(self) -> int:
-        """Print the summary lines; the command's exit code (1 when a job failed)."""
+        """Print the summary lines; the command's exit code (1 when a job failed or waits to be recorded)."""
         if self.skipped:
             print(f"[sweep] {len(self.skipped)} skipped (FINISHED before; force=true reruns them)")
+        if self.unrecorded:
+            command = self.record_command or f"python -m pipeline.record {self.unrecorded[0]}"
+            print(
+                f"[sweep] {len(self.unrecorded)} trained, not recorded (the store did not answer): their results "
+                f"wait in their job folders; once the store is back, `{command}` records them (or rerun the "
+                "sweep: it records them instead of training them again)",
+                file=sys.stderr,
+            )
         if self.failed:
             print(f"[sweep] {len(self.failed)} failed: " + "; ".join(self.failed), file=sys.stderr)
-            return 1
-        return 0
+        return 1 if self.failed or self.unrecorded or self.unclosed else 0
 
 
 # this process's jobs: filled job by job, and from the store at a sweep's end (parallel or cluster launchers
@@ -60,6 +73,13 @@ ACTIVE: dict = {}  # the ids of the sweep this (launching) process opened, for a
 def sweep_ids(sweep_dir: Path) -> dict | None:
     path = Path(sweep_dir) / SWEEP_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_ids(sweep_dir: Path, ids: dict) -> None:
+    """The sweep's MLflow ids (and what closing it needs), atomically: parallel jobs read them."""
+    tmp = Path(sweep_dir) / f".{SWEEP_FILE}.tmp"
+    tmp.write_text(json.dumps(ids))
+    os.replace(tmp, Path(sweep_dir) / SWEEP_FILE)
 
 
 def current_ids() -> dict | None:
@@ -118,10 +138,17 @@ def summary_table(runs) -> str:
 
 
 def mark_killed() -> None:
-    """After Ctrl-C / SIGTERM in the launching process: the parent run and every job run still RUNNING
-    become KILLED. Parallel workers may be torn down before their own runner could do it."""
+    """After Ctrl-C / SIGTERM in the launching process: the jobs a scheduler started (submitit: SLURM or its
+    local executor) are cancelled, so nothing keeps a GPU busy for a stopped sweep, and the parent run and
+    every job run still RUNNING become KILLED. Parallel workers may be torn down before their own runner
+    could do it."""
     if not ACTIVE:
         return
+    from pipeline import placement
+
+    cancelled = placement.cancel_scheduled(Path(ACTIVE["sweep_dir"]), ACTIVE["launcher"])
+    if cancelled:
+        print(f"[sweep] cancelled {len(cancelled)} {ACTIVE['launcher']} jobs: {' '.join(cancelled)}")
     tracker = Tracker(ACTIVE["tracking_uri"])
     parent = ACTIVE["parent_run_id"]
     running = tracker.child_runs(ACTIVE["experiment_id"], parent, status="RUNNING")
@@ -190,9 +217,16 @@ class SweepCallback(Callback):
             name=f"sweep-{sweep_dir.name}",
             tags={"sweep_dir": str(sweep_dir.resolve()), "overrides": overrides, "kind": "sweep"},
         )
-        ids = {"tracking_uri": tracker.uri, "experiment_id": experiment_id, "parent_run_id": parent}
-        (sweep_dir / SWEEP_FILE).write_text(json.dumps(ids))
-        ACTIVE.update(ids)
+        ids = {
+            "tracking_uri": tracker.uri,
+            "experiment_id": experiment_id,
+            "parent_run_id": parent,
+            # what closing the sweep later needs (`python -m pipeline.record`, when the store was away)
+            "outputs_dir": str(Path(config.outputs_dir).resolve()),
+            "metric": OmegaConf.select(config, "eval.metric", default="macro_f1"),
+        }
+        write_ids(sweep_dir, ids)
+        ACTIVE.update(ids, sweep_dir=str(sweep_dir), launcher=OmegaConf.select(config, "launcher.name"))
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
@@ -207,50 +241,74 @@ class SweepCallback(Callback):
             )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        ids = sweep_ids(Path(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        ids = sweep_ids(sweep_dir)
         if ids is None:
             return
         tracker = Tracker.for_config(config)
-        runs = tracker.child_runs(ids["experiment_id"], ids["parent_run_id"])
-        failed = [r for r in runs if r.info.status != "FINISHED"]
-        # the summary and exit code come from the store, not from this process's outcomes: with a parallel or
-        # cluster launcher the jobs ran in other processes
-        RESULT.failed[:] = failed_job_lines(runs)
-        skipped = list(Path(config.hydra.sweep.dir).glob(f"**/{SKIPPED_FILE}"))
-        RESULT.skipped[:] = [path.parent.name for path in skipped]
-        # the parent refers to the runs its skipped points FINISHED as before (`skipped_run.<job>`): its
-        # report covers every point, and a rerun whose points were all done is a reference, not an empty run
-        found = {f"{SKIPPED_RUN}{path.parent.name}": path.read_text().strip() for path in skipped}
-        metrics = {"jobs": len(runs), "jobs_failed": len(failed), "jobs_skipped": len(found)}
-        tracker.log(ids["parent_run_id"], metrics=metrics, tags=found)
-        line = count_line(runs) + (f", {len(found)} skipped (FINISHED before)" if found else "")
-        print(f"\n[sweep] {line}; parent run {ids['parent_run_id']}")
-        tracker.describe(ids["parent_run_id"], line)
-        status = "FAILED" if failed else "FINISHED"
-        if runs or found:
-            metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
-            self._report(tracker, ids["parent_run_id"], runs, Path(config.outputs_dir), metric, status)
-        print(browse.sweep_line(tracker.uri, ids))
-        tracker.end(ids["parent_run_id"], status)
+        # outcomes that waited for the store (it was away when their job ended) go in now if it is back
+        _, left, err = journal.record_all(sweep_dir, tracker)
+        RESULT.unrecorded[:] = [str(path) for path in left]
+        if not left:
+            try:
+                metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
+                close(tracker, ids, sweep_dir, Path(config.outputs_dir), metric)
+                return
+            except Exception as error:  # the store went away at the very end
+                err = journal.first_line(error)
+        # the parent closes when `python -m pipeline.record` has recorded what waits
+        RESULT.record_command = f"python -m pipeline.record {sweep_dir}"
+        RESULT.unclosed = True
+        print(
+            f"\n[sweep] the store does not answer ({err}): the parent run stays open until "
+            f"`{RESULT.record_command}` closes it"
+        )
+        write_ids(sweep_dir, {**ids, "ended": True})
 
-    @staticmethod
-    def _report(
-        tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path, metric: str, status: str | None = None
-    ) -> None:
-        """Build the sweep's report, log it to the parent run and print its short table."""
-        try:
-            from pipeline import report
 
-            out, table = report.build(
-                tracker.uri,
-                [parent_run_id],
-                root=outputs_dir / "report",
-                quality_metric=metric,
-                status=status,
-            )
-            tracker.log_artifacts(parent_run_id, out, "report")
-            print(report.console_text(out, table))
-            print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")
-        except Exception as err:  # the report is a convenience: it must never hide the sweep's results
-            print(f"[sweep] report not built: {type(err).__name__}: {err}")
-            print(summary_table(runs))
+def close(tracker: Tracker, ids: dict, sweep_dir: Path, outputs_dir: Path, metric: str) -> str:
+    """A sweep's end, from what the store holds: the summary (and the exit code's RESULT), the parent run's
+    counts, skipped points and description, the report, and the parent closed; its status."""
+    runs = tracker.child_runs(ids["experiment_id"], ids["parent_run_id"])
+    failed = [r for r in runs if r.info.status != "FINISHED"]
+    # the summary and exit code come from the store, not from this process's outcomes: with a parallel or
+    # cluster launcher the jobs ran in other processes
+    RESULT.failed[:] = failed_job_lines(runs)
+    skipped = list(sweep_dir.glob(f"**/{SKIPPED_FILE}"))
+    RESULT.skipped[:] = [path.parent.name for path in skipped]
+    # the parent refers to the runs its skipped points FINISHED as before (`skipped_run.<job>`): its
+    # report covers every point, and a rerun whose points were all done is a reference, not an empty run
+    found = {f"{SKIPPED_RUN}{path.parent.name}": path.read_text().strip() for path in skipped}
+    metrics = {"jobs": len(runs), "jobs_failed": len(failed), "jobs_skipped": len(found)}
+    tracker.log(ids["parent_run_id"], metrics=metrics, tags=found)
+    line = count_line(runs) + (f", {len(found)} skipped (FINISHED before)" if found else "")
+    print(f"\n[sweep] {line}; parent run {ids['parent_run_id']}")
+    tracker.describe(ids["parent_run_id"], line)
+    status = "FAILED" if failed else "FINISHED"
+    if runs or found:
+        report_sweep(tracker, ids["parent_run_id"], runs, outputs_dir, metric, status)
+    print(browse.sweep_line(tracker.uri, ids))
+    tracker.end(ids["parent_run_id"], status)
+    return status
+
+
+def report_sweep(
+    tracker: Tracker, parent_run_id: str, runs, outputs_dir: Path, metric: str, status: str | None = None
+) -> None:
+    """Build the sweep's report, log it to the parent run and print its short table."""
+    try:
+        from pipeline import report
+
+        out, table = report.build(
+            tracker.uri,
+            [parent_run_id],
+            root=outputs_dir / "report",
+            quality_metric=metric,
+            status=status,
+        )
+        tracker.log_artifacts(parent_run_id, out, "report")
+        print(report.console_text(out, table))
+        print(f"[sweep] report: {out.resolve() / 'report.html'} (and in the parent run's artifacts)")
+    except Exception as err:  # the report is a convenience: it must never hide the sweep's results
+        print(f"[sweep] report not built: {type(err).__name__}: {err}")
+        print(summary_table(runs))

@@ -289,20 +289,24 @@ class Tracker:
         """The run's description (the UI's Description column and the run page's note)."""
         self.client.set_tag(run_id, DESCRIPTION, text[:_MAX_TAG_CHARS])
 
-    def start_run(self, experiment_id: str, name: str, parent_run_id: str | None = None, tags=None) -> str:
+    def start_run(
+        self, experiment_id: str, name: str, parent_run_id: str | None = None, tags=None, start_time=None
+    ) -> str:
         tags = dict(tags or {})
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         # who recorded it (the UI's User column): the account on a server that wants one, else the login, as
         # MLflow's own mlflow.start_run sets it
         tags.setdefault("mlflow.user", os.environ.get("MLFLOW_TRACKING_USERNAME") or login_name())
-        return self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        run = self.client.create_run(experiment_id, start_time=start_time, run_name=name, tags=tags)
+        return run.info.run_id
 
-    def log(self, run_id: str, metrics=None, series=None, params=None, tags=None) -> None:
-        """Everything in as few log_batch calls as MLflow's limits allow (one call costs 50-80 ms)."""
+    def log(self, run_id: str, metrics=None, series=None, params=None, tags=None, timestamp=None) -> None:
+        """Everything in as few log_batch calls as MLflow's limits allow (one call costs 50-80 ms); the metrics
+        stamped `timestamp` (ms), else now."""
         from mlflow.entities import Metric, Param, RunTag
 
-        now = int(time.time() * 1000)
+        now = timestamp or int(time.time() * 1000)
         series = series or {}
         # a metric also given as a series is logged as the series alone (whose last step holds its value)
         rows = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items() if k not in series]
@@ -346,8 +350,8 @@ class Tracker:
     def log_artifacts(self, run_id: str, folder: Path, artifact_path: str) -> None:
         self.client.log_artifacts(run_id, str(folder), artifact_path)
 
-    def end(self, run_id: str, status: str) -> None:
-        self.client.set_terminated(run_id, status=status)
+    def end(self, run_id: str, status: str, end_time: int | None = None) -> None:
+        self.client.set_terminated(run_id, status=status, end_time=end_time)
 
     def status(self, run_id: str) -> str:
         return self.client.get_run(run_id).info.status

@@ -71,6 +71,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_mlflow_server(folder: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on 127.0.0.1:port, its sqlite store and proxied artifacts in `folder` (a server started
+    again on the same folder serves the same runs); back once it answers its health check."""
+    import time
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--workers", "1"]
+    cmd += ["--artifacts-destination", str(folder / "artifacts")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    with open(folder / "server.log", "a") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300  # seconds on an idle machine; a minute or more on a loaded one
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+            return server
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                stop_mlflow_server(server)
+                raise RuntimeError((folder / "server.log").read_text()[-3000:]) from None
+            time.sleep(0.5)
+
+
+def stop_mlflow_server(server: subprocess.Popen) -> None:
+    """The server and its workers, gone (its port refuses connections afterwards)."""
+    import signal
+
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
 def store(tmp_path: Path):
     from mlflow import MlflowClient
 

@@ -6,9 +6,7 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -17,7 +15,16 @@ from mlflow import MlflowClient
 from pipeline import distributed
 from pipeline.config import ConfigError, check_group_overrides, validate
 from pipeline.placement import GpuPool, cpu_threads
-from tests.conftest import TINY, compose_cfg, free_port, run_cli, store, sweep_runs
+from tests.conftest import (
+    TINY,
+    compose_cfg,
+    free_port,
+    run_cli,
+    start_mlflow_server,
+    stop_mlflow_server,
+    store,
+    sweep_runs,
+)
 from tests.test_failures import running, start_sweep
 from tests.test_sweep import METRICS
 
@@ -129,26 +136,10 @@ def test_a_job_refuses_to_run_as_fewer_processes_than_asked(monkeypatch):
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1, sqlite backend and proxied artifacts in a temporary folder."""
-    folder = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--workers", "1"]
-    cmd += ["--artifacts-destination", str(folder / "artifacts")]
-    log = open(folder / "server.log", "w")  # noqa: SIM115 (closed at teardown)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2).close()
-            break
-        except OSError:
-            assert server.poll() is None and time.time() < deadline, (folder / "server.log").read_text()
-            time.sleep(0.5)
-    yield uri
-    os.killpg(server.pid, signal.SIGTERM)
-    server.wait(timeout=30)
-    log.close()
+    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow_server"), port)
+    yield f"http://127.0.0.1:{port}"
+    stop_mlflow_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +307,27 @@ def test_submitit_local_runs_each_job_as_two_tasks(tmp_path):
         assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
         assert len(checksums(run)) == 1 and run.data.metrics["params_in_sync"] == 1
     assert list(tmp_path.glob("multirun/*/.submitit/*"))  # submitit ran them
+
+
+@pytest.mark.slow  # ~40 s: two submitit jobs started and stopped
+def test_stopping_a_submitit_sweep_cancels_its_jobs(tmp_path):
+    sweep = start_sweep(tmp_path, "seed=0,1", *TINY, "train.max_steps=100000", "launcher=submitit_local")
+    deadline, jobs = time.time() + 300, []
+    while len(jobs) < 2:  # the local executor starts both jobs at once; each runs its `pipeline.job`
+        assert sweep.poll() is None and time.time() < deadline, sweep.stderr.read()[-3000:]
+        found = subprocess.run(["pgrep", "-f", f"pipeline.job {tmp_path}"], capture_output=True, text=True)
+        jobs = [int(pid) for pid in found.stdout.split()]
+        time.sleep(0.2)
+    controllers = [int(p.name) for p in tmp_path.glob("multirun/*/.submitit/[0-9]*")]  # submitit's job ids
+    assert len(controllers) == 2
+    sweep.send_signal(signal.SIGTERM)  # a scheduler or `kill` stops the sweep's own process only
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, err[-2000:]
+    assert f"[sweep] cancelled 2 submitit_local jobs: {' '.join(map(str, sorted(controllers)))}" in out
+    assert not [pid for pid in jobs + controllers if running(pid)]  # nothing keeps training
+    parent, children = sweep_runs(tmp_path)
+    assert parent.info.status == "KILLED"
+    assert len(children) == 2 and {r.info.status for r in children} == {"KILLED"}
 
 
 # ---- GPUs (make test-gpu) --------------------------------------------------------------------------------

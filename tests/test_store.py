@@ -1,5 +1,6 @@
 """The store at its edges, with real processes: sweeps started at once on a fresh sqlite store, stores that
-cannot be opened, and the team server of `make server` (MLflow's basic-auth app) with and without logins."""
+cannot be opened, a server that goes away for longer than the client retries, and the team server of
+`make server` (MLflow's basic-auth app) with and without logins."""
 
 import json
 import os
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.journal import RECORD_KEY
 from pipeline.tracking import StoreError, Tracker
-from tests.conftest import ROOT, free_port, run_cli
+from tests.conftest import ROOT, TINY, free_port, run_cli, start_mlflow_server, stop_mlflow_server
 
 PLAN = ["model=tiny", "plan=true"]  # a job that trains nothing: shapes only, in the launching process
 N_SWEEPS = 4
@@ -126,11 +128,16 @@ def test_stores_that_cannot_be_opened_say_which_and_the_fix(tmp_path, read_only)
     assert corrupt.read_bytes() == b"not a database, " * 400  # nothing touched
 
 
-def test_a_corrupt_store_is_one_line_for_a_sweep_and_for_a_single_run(tmp_path):
+def test_a_corrupt_store_is_one_line_for_a_sweep_a_single_run_the_report_and_the_ui(tmp_path):
     corrupt = tmp_path / "mlflow.db"
     corrupt.write_bytes(b"not a database, " * 400)
-    for args in (["-m", "seed=1,2"], []):
-        proc = run_cli(tmp_path, *args, *PLAN)
+    report = [sys.executable, "-m", "pipeline.report", f"outputs_dir={tmp_path}"]
+    ui = [sys.executable, "-m", "pipeline.browse", f"--tracking-uri=sqlite:///{corrupt}", "--no-serve"]
+    for args in (["-m", "seed=1,2"], [], report, ui):
+        if args in (report, ui):
+            proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        else:
+            proc = run_cli(tmp_path, *args, *PLAN)
         assert proc.returncode == 2, proc.stderr[-2000:]
         errors = [line for line in proc.stderr.splitlines() if "Traceback" in line or "error" in line.lower()]
         assert errors == [
@@ -293,3 +300,122 @@ def test_sweeps_creating_the_experiment_at_once_on_a_server_get_one(team_server,
     for thread in threads:
         thread.join(timeout=120)
     assert not errors and len(ids) == N_SWEEPS and len(set(ids)) == 1, (errors, ids)
+
+
+# ---- a tracking server that goes away for longer than the client's retries ----------------------------------
+
+# MLflow's own client settings (documented environment variables): one quick try, then give up, instead of the
+# default 7 tries with backoff over about 4-5 minutes; what matters is that the outage outlasts them
+SHORT_RETRIES = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+THREE_POINTS = ["-m", "seed=1,2,3", *TINY]
+# what differs between two runs of the same point by nature: where and when it ran, how fast, the process
+WHERE_AND_WHEN = {"job_dir", "mlflow.parentRunId", RECORD_KEY}
+HOW_FAST = ("_per_second", "_ms", "_s")
+PROCESS = {"mfu", "peak_rss_mb", "device_peak_tflops"}
+
+
+def comparable(client: MlflowClient, run) -> dict:
+    """A run as the comparison sees it: name, status, params, tags, which metrics (and the values of those
+    that do not measure speed), its loss curve and its artifacts."""
+    metrics, tags = run.data.metrics, run.data.tags
+    # the two sweeps record into two experiments (in one, the second would skip every point)
+    overrides = " ".join(
+        o for o in tags["overrides"].split() if not o.startswith(("tracking.experiment=", "outputs_dir="))
+    )
+    return {
+        "status": run.info.status,
+        "params": run.data.params,
+        "tags": {**{k: v for k, v in tags.items() if k not in WHERE_AND_WHEN}, "overrides": overrides},
+        "metric_keys": sorted(metrics),
+        "metrics": {k: v for k, v in metrics.items() if not k.endswith(HOW_FAST) and k not in PROCESS},
+        "train_loss": [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train_loss")],
+        "artifacts": sorted(a.path for a in client.list_artifacts(run.info.run_id)),
+    }
+
+
+def sweep_of(client: MlflowClient, folder: Path):
+    """(parent run, {run name: comparable child}) of the one sweep folder under or at `folder`."""
+    (sweep_file,) = {*folder.glob("mlflow_sweep.json"), *folder.glob("*/mlflow_sweep.json")}
+    ids = json.loads(sweep_file.read_text())
+    children = client.search_runs(
+        [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{ids['parent_run_id']}'"
+    )
+    return client.get_run(ids["parent_run_id"]), {r.info.run_name: comparable(client, r) for r in children}
+
+
+@pytest.mark.slow  # three tiny sweeps and two server starts: about 3 minutes on 2 cores
+def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
+    folder, port = tmp_path / "server", free_port()
+    folder.mkdir()
+    uri = f"http://127.0.0.1:{port}"
+    on_server = ["tracking=server", f"tracking.uri={uri}"]
+    server = start_mlflow_server(folder, port)
+    try:
+        reference = run_cli(
+            tmp_path / "reference", *THREE_POINTS, *on_server, "tracking.experiment=reference"
+        )
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        # the server goes away while the first job trains and comes back after the sweep has ended
+        out = tmp_path / "outage"
+        env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **SHORT_RETRIES}
+        cmd = [sys.executable, "-m", "pipeline", *THREE_POINTS, *on_server, "tracking.experiment=outage"]
+        with open(tmp_path / "sweep.out", "w") as stdout, open(tmp_path / "sweep.err", "w") as stderr:
+            sweep = subprocess.Popen(
+                [*cmd, f"outputs_dir={out}"], cwd=ROOT, env=env, stdout=stdout, stderr=stderr
+            )
+            deadline = time.time() + 300
+            while not list(out.glob("multirun/*/0/config.yaml")):  # its run is open, its job process starts
+                assert sweep.poll() is None and time.time() < deadline, (tmp_path / "sweep.err").read_text()
+                time.sleep(0.2)
+            stop_mlflow_server(server)
+            assert sweep.wait(timeout=900) == 1
+        err = (tmp_path / "sweep.err").read_text()
+        (sweep_dir,) = out.glob("multirun/*")
+        assert sorted(p.parent.name for p in sweep_dir.glob("*/unrecorded.json")) == ["0", "1", "2"], err
+        assert sorted(p.parent.name for p in sweep_dir.glob("*/result.json")) == ["0", "1", "2"]
+        assert "Traceback" not in err, err[-3000:]
+        assert (
+            f"[sweep] 3 trained, not recorded (the store did not answer): their results wait in their job "
+            f"folders; once the store is back, `python -m pipeline.record {sweep_dir}` records them" in err
+        ), err[-3000:]
+        server = start_mlflow_server(folder, port)
+
+        def record(where: Path) -> subprocess.CompletedProcess:
+            command = [sys.executable, "-m", "pipeline.record", str(where)]
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+            return done
+
+        # one job folder by hand, then the same sweep again: it records the other two instead of training
+        # them, and skips every point
+        assert "[record] 1 results recorded, 0 sweeps closed" in record(sweep_dir / "0").stdout
+        rerun = run_cli(out, *THREE_POINTS, *on_server, "tracking.experiment=outage")
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert rerun.stdout.count("[job] recorded the result that waited in") == 2, rerun.stdout
+        assert "[sweep] 3 skipped" in rerun.stdout
+        assert len(list(out.glob("multirun/*/*/result.json"))) == 3  # nothing trained again
+        # the outage's sweep itself: its parent run closes once none of its outcomes waits
+        assert "[record] 0 results recorded, 1 sweeps closed" in record(sweep_dir).stdout
+        assert not list(sweep_dir.glob("*/unrecorded.json"))
+        # the store now holds what the uninterrupted sweep left, run by run
+        client = MlflowClient(uri)
+        parent, runs = sweep_of(client, sweep_dir)
+        ref_parent, ref_runs = sweep_of(client, tmp_path / "reference" / "multirun")
+        assert sorted(runs) == sorted(ref_runs) and len(runs) == 3
+        for name, run in runs.items():
+            for part, value in run.items():
+                assert value == ref_runs[name][part], (name, part)
+        assert parent.info.status == ref_parent.info.status == "FINISHED"
+        assert parent.data.metrics == ref_parent.data.metrics
+        assert parent.data.tags["mlflow.note.content"] == ref_parent.data.tags["mlflow.note.content"]
+        assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+        # recording again records nothing twice
+        assert "nothing waits to be recorded" in record(out).stdout
+        # the outage's parent and its three jobs, and the rerun's parent (a reference to the three)
+        assert len(client.search_runs([parent.info.experiment_id])) == 5
+    finally:
+        stop_mlflow_server(server)

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.report.columns import BASELINE, QUALITY, QUALITY_METRICS, TARGET_FRACTION
 from pipeline.report.render import build, console_text
 from pipeline.report.runs import EXPERIMENT, OUTPUTS, ReportError, list_sweeps
-from pipeline.tracking import store_uri
+from pipeline.tracking import StoreError, Tracker, auth_error, refused, store_uri
 
 # what a sweep's command line names its store by, taken here too (`outputs_dir=DIR tracking.uri=URI`)
 OVERRIDES = {
@@ -124,6 +124,11 @@ def main(argv=None) -> int:
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         print(f"error: no MLflow store at {uri}: run a sweep first (make run)", file=sys.stderr)
         return 2
+    try:  # a store that cannot be opened: one line naming it and the fix
+        Tracker(uri)
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         if args.list:
             show_sweeps(uri)
@@ -142,6 +147,11 @@ def main(argv=None) -> int:
         )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a server that refuses this client: which variables to set
+        if not refused(err):
+            raise
+        print(f"error: {auth_error(uri, err)}", file=sys.stderr)
         return 2
     print(console_text(out, table))
     tuned = ", tuned.csv" if (out / "tuned.csv").exists() else ""

@@ -1,0 +1,177 @@
+"""Results trained but not recorded yet: every job's outcome goes through a small journal entry
+(`unrecorded.json` in its job folder, beside result.json or error.txt) before it goes to MLflow, and the entry
+is removed once the store has it. A store that is away when a job ends (a server down for longer than
+MLflow's own retries, a database locked) leaves the entry behind: nothing is lost, and `record` puts it in the
+store later, once (running it again records nothing twice), as the runner would have.
+
+It knows nothing of sweeps or jobs beyond their folders; pipeline.runner writes and records entries,
+pipeline.sweep and `python -m pipeline.record` record what is still waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
+from pipeline.tracking import DESCRIPTION, Tracker
+
+UNRECORDED_FILE = "unrecorded.json"
+RECORD_KEY = "record_key"  # tag of a run created from an entry: a second `record` finds it instead of a twin
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def entry(
+    *,
+    tracking_uri: str,
+    experiment_id: str,
+    name: str,
+    run_id: str | None,
+    parent_run_id: str | None,
+    tags: dict,
+    params: dict,
+    start_time: int,
+    failure=None,
+    replaces: str | None = None,
+) -> dict:
+    """What recording a job's outcome needs besides the files in its folder: where it goes (store,
+    experiment, parent; the run, when the store took it at the start), its name, tags and params, its times,
+    and a failure (`reason`, the figures at the time) or None for a result in result.json."""
+    return {
+        "key": uuid.uuid4().hex,
+        "tracking_uri": tracking_uri,
+        "experiment_id": experiment_id,
+        "parent_run_id": parent_run_id,
+        "run_id": run_id,
+        "name": name,
+        "tags": tags,
+        "params": params,
+        "start_time": start_time,
+        "end_time": now_ms(),
+        "failure": None if failure is None else {"reason": failure.reason, "metrics": failure.metrics},
+        "replaces": replaces,
+    }
+
+
+def write(job_dir: Path, record: dict) -> None:
+    """The entry, atomically: a reader never sees half of one."""
+    tmp = job_dir / f".{UNRECORDED_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, job_dir / UNRECORDED_FILE)
+
+
+def read(job_dir: Path) -> dict:
+    return json.loads((job_dir / UNRECORDED_FILE).read_text())
+
+
+def waiting(folder: Path) -> list[Path]:
+    """The job folders under `folder` (itself included) whose outcome waits to be recorded."""
+    return sorted(path.parent for path in Path(folder).glob(f"**/{UNRECORDED_FILE}"))
+
+
+def finished_waiting(outputs_dir: Path, tracking_uri: str, config_hash: str) -> Path | None:
+    """A job folder of the default run and sweep folders (outputs_dir/runs, outputs_dir/multirun) holding a
+    FINISHED result of this point for this store that waits to be recorded: a resumed sweep records it instead
+    of training the point again."""
+    outputs_dir = Path(outputs_dir)
+    found = [
+        *outputs_dir.glob(f"multirun/*/*/{UNRECORDED_FILE}"),
+        *outputs_dir.glob(f"runs/*/{UNRECORDED_FILE}"),
+    ]
+    for path in sorted(found):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (
+            record.get("failure") is None
+            and record.get("tracking_uri") == tracking_uri
+            and record.get("tags", {}).get("config_hash") == config_hash
+        ):
+            return path.parent
+    return None
+
+
+def _run_id(tracker: Tracker, record: dict) -> str:
+    """The entry's run: the one opened when the job started, else the one an earlier `record` created from
+    this entry, else a new one with the job's name, parent and start time."""
+    if record["run_id"]:
+        return record["run_id"]
+    found = tracker.client.search_runs(
+        [record["experiment_id"]], filter_string=f"tags.{RECORD_KEY} = '{record['key']}'", max_results=1
+    )
+    if found:
+        return found[0].info.run_id
+    tags = {**record["tags"], RECORD_KEY: record["key"]}
+    return tracker.start_run(
+        record["experiment_id"],
+        record["name"],
+        parent_run_id=record["parent_run_id"],
+        tags=tags,
+        start_time=record["start_time"],
+    )
+
+
+def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
+    """Put a job's waiting outcome in the store and remove its entry; (run id, status). Idempotent: a run the
+    store already holds as ended is left as it is."""
+    job_dir = Path(job_dir)
+    entry_ = read(job_dir)
+    run_id = _run_id(tracker, entry_)
+    failure = entry_["failure"]
+    status = "FAILED" if failure else "FINISHED"
+    if tracker.status(run_id) == "RUNNING":
+        stamp = entry_["end_time"]
+        tracker.log(run_id, params=entry_["params"], timestamp=stamp)
+        tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
+        if failure is None:
+            result = json.loads((job_dir / RESULT_FILE).read_text())
+            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"])}
+            tracker.log(run_id, result["metrics"], result["series"], result["params"], tags, timestamp=stamp)
+            if result.get("datasets"):
+                tracker.log_datasets(run_id, result["datasets"])
+        else:
+            text = (job_dir / ERROR_FILE).read_text()
+            summary = text.strip().splitlines()[0]
+            tags = {
+                "error": summary,
+                "failure_reason": failure["reason"],
+                DESCRIPTION: f"FAILED: {failure['reason']}: {summary}",
+            }
+            tracker.log(run_id, failure["metrics"], tags=tags, timestamp=stamp)
+            tracker.log_artifact(run_id, job_dir / ERROR_FILE)
+        tracker.end(run_id, status, end_time=stamp)
+        if entry_["replaces"] and failure is None:  # force=true: the point's earlier result has a later one
+            tracker.log(entry_["replaces"], tags={"replaced_by": run_id})
+    (job_dir / UNRECORDED_FILE).unlink()
+    return run_id, status
+
+
+def record_all(folder: Path, tracker: Tracker | None = None) -> tuple[list[tuple[str, str]], list[Path], str]:
+    """Record every outcome waiting under `folder`, each into its own store (`tracker` for the store it names,
+    when given): (the (run id, status) recorded, the job folders still waiting, why they wait). The first store
+    that does not answer stops it: each try costs MLflow's whole retry window."""
+    trackers = {tracker.uri: tracker} if tracker is not None else {}
+    folders, done = waiting(folder), []
+    for n, job_dir in enumerate(folders):
+        try:
+            uri = read(job_dir)["tracking_uri"]
+            if uri not in trackers:
+                trackers[uri] = Tracker(uri)
+            done.append(record(trackers[uri], job_dir))
+        except Exception as err:  # the store is away (or refuses): the rest waits too
+            return done, folders[n:], first_line(err)
+    return done, [], ""
+
+
+def first_line(err: BaseException) -> str:
+    """An error as one short line (MLflow's connection errors run to several hundred characters)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text if len(text) <= 200 else text[:197] + "..."

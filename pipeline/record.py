@@ -1,0 +1,80 @@
+"""`python -m pipeline.record FOLDER ...`: put into MLflow the outcomes that waited because the store did not
+answer when their job ended (pipeline.journal), each into the store, experiment and parent run it was meant
+for, then close the parent runs of the sweeps that ended meanwhile. Running it again records nothing twice."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline import journal, sweep
+from pipeline.tracking import Tracker
+
+
+def close_ended_sweeps(folder: Path) -> list[str]:
+    """Close the parent run of each sweep under `folder` that ended while its outcomes waited (and none waits
+    now), as the sweep itself would have; the parent run ids closed."""
+    closed = []
+    for path in sorted({*folder.glob(sweep.SWEEP_FILE), *folder.glob(f"**/{sweep.SWEEP_FILE}")}):
+        ids = sweep.sweep_ids(path.parent)
+        if not ids.get("ended") or journal.waiting(path.parent):
+            continue
+        tracker = Tracker(ids["tracking_uri"], ids["outputs_dir"])
+        if tracker.status(ids["parent_run_id"]) == "RUNNING":
+            sweep.close(tracker, ids, path.parent, Path(ids["outputs_dir"]), ids["metric"])
+            closed.append(ids["parent_run_id"])
+    return closed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.record",
+        description="Record the results that were trained while the MLflow store did not answer (they wait in "
+        f"{journal.UNRECORDED_FILE} in their job folders), and close their sweeps' parent runs. Idempotent.",
+    )
+    parser.add_argument(
+        "folders",
+        nargs="+",
+        type=Path,
+        metavar="FOLDER",
+        help="a sweep folder (outputs/multirun/<time>), a job folder, or outputs/ for everything under it",
+    )
+    args = parser.parse_args(argv)
+    missing = [str(f) for f in args.folders if not f.is_dir()]
+    if missing:
+        print(
+            f"error: not a folder: {', '.join(missing)} (give sweep or job folders, or outputs/)",
+            file=sys.stderr,
+        )
+        return 2
+    recorded, closed = 0, 0
+    for folder in args.folders:
+        done, left, why = journal.record_all(folder)
+        recorded += len(done)
+        for run_id, status in done:
+            print(f"[record] run {run_id} recorded ({status})")
+        if left:
+            print(
+                f"error: {len(left)} results still wait under {folder}: the store does not answer ({why}); "
+                "nothing is lost, run this again once it is back",
+                file=sys.stderr,
+            )
+            return 1
+        try:
+            closed += len(close_ended_sweeps(folder))
+        except Exception as err:  # the store went away again between the two
+            print(
+                f"error: a sweep's parent run could not be closed ({journal.first_line(err)})",
+                file=sys.stderr,
+            )
+            return 1
+    if not recorded and not closed:
+        print(f"[record] nothing waits to be recorded under {', '.join(map(str, args.folders))}")
+    else:
+        print(f"[record] {recorded} results recorded, {closed} sweeps closed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
