@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -170,8 +171,17 @@ def record_all(folder: Path, tracker: Tracker | None = None) -> tuple[list[tuple
     return done, [], ""
 
 
+# MLflow's error for a server that did not answer: the server and the cause, without the request's details
+_NO_ANSWER = re.compile(r"API request to (\S+?)/(?:api|ajax-api)/\S* failed with exception.*?(\[Errno -?\d+\] [^'\")]+|timed out)")
+
+
 def first_line(err: BaseException) -> str:
-    """An error as one short line (MLflow's connection errors run to several hundred characters)."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    """An error as one short line: a server that did not answer as `<server>: <cause>` (MLflow's own text
+    runs to several hundred characters), anything else as its first line."""
+    text = str(err).strip()
+    found = _NO_ANSWER.search(text)
+    if found:
+        return f"{found.group(1)}: {found.group(2).strip()}"
+    text = text.splitlines()[0] if text else ""
     text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     return text if len(text) <= 200 else text[:197] + "..."

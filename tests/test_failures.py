@@ -123,7 +123,17 @@ def test_out_of_memory_is_a_result(tmp_path):
 def start_sweep(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     cmd = [sys.executable, "-m", "pipeline", "-m", *args, f"outputs_dir={tmp_path}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default even when the tests run in the background (`pytest &` starts with it ignored, and a
+    # Python started with SIGINT ignored never turns it into KeyboardInterrupt)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
