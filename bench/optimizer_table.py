@@ -1,0 +1,210 @@
+"""`make optimizer-table`: every registered optimizer on one model, a real sweep of short jobs: the optimizer
+state measured against its two estimates, the analytic one (`estimated_optimizer_state_mb`) and the meta-device
+step's (`pipeline.optimizers.meta_estimate`, computed here on the same model built on the meta device), its
+bytes per parameter, and the gradients' part of the peak breakdown. Writes a Markdown table (default
+docs/optimizer-table.md) and its CSV beside it.
+
+    python -m bench.optimizer_table            # distilbert-base-cased (random weights), fp32, Accelerate loop
+    python -m bench.optimizer_table --model tiny --precision bf16_pure --optims adamw,lomo --out /tmp/t.md
+
+The jobs run as one `python -m pipeline -m optim=...` sweep into outputs_dir (default outputs/optimizer-table):
+a failed job is a FAILED run with its one-line reason, and running the command again trains only the points
+not FINISHED before. The Accelerate loop builds each optimizer with the registry's factory, as the meta-device
+step does, so the three figures describe the same object (the Trainer's bitsandbytes 8-bit path keeps
+embeddings' state in fp32: docs/optimizers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+EXPERIMENT = "optimizer-table"
+# short jobs: a small batch of short texts, two steps (the breakdown profiles step 2), no validation passes
+JOB = [
+    "train.max_steps=2",
+    "batch_size=2",
+    "train.max_length=64",
+    "data.max_train_samples=16",
+    "data.max_eval_samples=8",
+    "data.val_fraction=0",
+]
+
+
+def registered() -> list[str]:
+    """Every `optim=` name (conf/optim), `custom` (its default target is AdamW) last."""
+    names = sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
+    return [n for n in names if n != "custom"] + ["custom"] * ("custom" in names)
+
+
+def sweep_overrides(args) -> list[str]:
+    extra = ["model.pretrained=false"] if args.model != "tiny" else []
+    return [
+        f"optim={','.join(args.optims)}",
+        f"model={args.model}",
+        *extra,
+        f"train.precision={args.precision}",
+        f"backend={args.backend}",
+        *JOB,
+        f"outputs_dir={args.outputs_dir}",
+        f"tracking.experiment={EXPERIMENT}",
+    ]
+
+
+def meta_mb(optim: str, overrides: list[str]) -> tuple[float | None, str]:
+    """The meta-device step's estimate (MB) for one optimizer on the sweep's model, or (None, why not)."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import MB, models, optimizers
+
+    keep = [o for o in overrides if not o.startswith(("optim=", "outputs_dir=", "tracking."))]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", [*keep, f"optim={optim}"])
+    spec = optimizers.get(optim)
+    config = models.model_config(cfg.model, num_labels=2)  # the default data's two classes, as plan mode
+    itemsize = 2 if cfg.train.precision == "bf16_pure" else 4
+    try:
+        return optimizers.meta_estimate(spec, cfg, optimizers.meta_model(config, itemsize)).bytes / MB, ""
+    except optimizers.MetaStepFailed as err:
+        return None, str(err)
+    except Exception as err:  # noqa: BLE001 (a missing package, a build that needs CUDA: said in the table)
+        return None, f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120]}"
+
+
+def latest_runs(outputs_dir: Path, overrides: list[str]) -> dict[str, object]:
+    """optim -> its latest ended run of this model, precision and backend in the table's experiment."""
+    from mlflow import MlflowClient
+
+    from pipeline.tracking import store_uri
+
+    client = MlflowClient(store_uri(None, outputs_dir))
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    where = " and ".join(
+        f"params.{key} = '{values[src]}'"
+        for key, src in (("model", "model"), ("precision", "train.precision"), ("backend", "backend"))
+    )
+    runs = client.search_runs(
+        [experiment.experiment_id], f"{where} and attributes.status != 'RUNNING'", max_results=10000,
+        order_by=["attributes.start_time DESC"],
+    )  # fmt: skip
+    latest = {}
+    for run in runs:
+        latest.setdefault(run.data.params["optim"], run)
+    return latest
+
+
+def fmt(value, digits: int = 2) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def rows(optims: list[str], runs: dict, overrides: list[str]) -> list[dict]:
+    out = []
+    for optim in optims:
+        run = runs.get(optim)
+        meta, why = meta_mb(optim, overrides)
+        row = {"optim": optim, "meta step [MB]": meta, "meta note": why}
+        if run is None:
+            out.append({**row, "status": "not run"})
+            continue
+        m, tags = run.data.metrics, run.data.tags
+        status = (
+            run.info.status
+            if run.info.status == "FINISHED"
+            else f"{run.info.status}: {tags.get('error', '')}"
+        )
+        out.append(
+            {
+                **row,
+                "status": status,
+                "measured [MB]": m.get("optimizer_state_mb"),
+                "analytic [MB]": m.get("estimated_optimizer_state_mb"),
+                "bytes/param": m.get("optimizer_state_bytes_per_param"),
+                "peak grads [MB]": m.get("peak_grads_mb"),
+                "peak [MB]": m.get("peak_memory_mb"),
+                "params": m.get("model_num_params"),
+            }
+        )
+    return out
+
+
+def same(a, b) -> str:
+    """`=` when two MB figures are the same to the byte (as logged: MB to float precision), else the gap."""
+    if a is None or b is None:
+        return ""
+    return "=" if abs(a - b) * 2**20 < 0.5 else f"{b - a:+.4f}"
+
+
+def markdown(table: list[dict], command: str, seconds: float, args) -> str:
+    lines = [
+        f"# Optimizer state on {args.model} ({args.precision}, {args.backend})",
+        "",
+        f"Written by `{command}` on {datetime.now():%Y-%m-%d %H:%M} ({seconds:.0f} s; a rerun trains only what is "
+        "missing). One real job per optimizer: "
+        + " ".join(JOB)
+        + ". MB = 2^20 bytes. *measured*: the state the optimizer object holds after training "
+        "(`optimizer_state_mb`); *analytic*: the registry's estimate (`estimated_optimizer_state_mb`); *meta step*: "
+        "the optimizer built on the same model on the meta device and stepped once (`pipeline.optimizers."
+        "meta_estimate`), `=` where it equals the measured state to the byte; *peak grads*: the gradients' part of "
+        "the step's peak (the memory breakdown, [metrics.md](metrics.md)).",
+        "",
+        "| optimizer | status | measured [MB] | analytic [MB] | meta step [MB] | bytes/param | peak grads [MB] | peak [MB] |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in table:
+        measured = r.get("measured [MB]")
+        analytic = r.get("analytic [MB]")
+        meta = r.get("meta step [MB]")
+        meta_cell = (
+            f"{fmt(meta, 3)} ({same(measured, meta)})"
+            if meta is not None and measured is not None
+            else fmt(meta, 3)
+        )
+        if meta is None:
+            meta_cell = f"none: {r['meta note']}"
+        analytic_cell = fmt(analytic, 3) + (f" ({same(measured, analytic)})" if measured is not None else "")
+        lines.append(
+            f"| `{r['optim']}` | {r['status']} | {fmt(measured, 3)} | {analytic_cell} | {meta_cell} | "
+            f"{fmt(r.get('bytes/param'))} | {fmt(r.get('peak grads [MB]'))} | {fmt(r.get('peak [MB]'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.optimizer_table", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model", default="distilbert-base-cased")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16_pure"])
+    parser.add_argument("--backend", default="accelerator", choices=["accelerator", "trainer"])
+    parser.add_argument(
+        "--optims", type=lambda s: s.split(","), default=None, help="a,b,c (default: every one)"
+    )
+    parser.add_argument("--outputs-dir", type=Path, default=ROOT / "outputs" / "optimizer-table")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "optimizer-table.md")
+    parser.add_argument("--table-only", action="store_true", help="write the table of what the store holds")
+    args = parser.parse_args(argv)
+    args.optims = args.optims or registered()
+    overrides = sweep_overrides(args)
+    start = time.perf_counter()
+    if not args.table_only:
+        # the sweep's exit code is 1 when some job failed: a failed job is a row of the table too
+        subprocess.run([sys.executable, "-m", "pipeline", "-m", *overrides], cwd=ROOT, check=False)
+    table = rows(args.optims, latest_runs(args.outputs_dir, overrides), overrides)
+    command = "python -m bench.optimizer_table " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.write_text(markdown(table, command.strip(), time.perf_counter() - start, args))
+    import pandas as pd
+
+    pd.DataFrame(table).to_csv(args.out.with_suffix(".csv"), index=False)
+    print(args.out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
