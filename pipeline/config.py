@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline.data import FILE_BUILDERS, PACKAGED
-from pipeline.optimizers import EXTRA, REGISTRY, missing_packages
+from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
 
 BACKENDS = ("trainer", "accelerator")
@@ -52,17 +52,34 @@ def allowed(value, names) -> str:
     return f"allowed values are {', '.join(names)}{did_you_mean(value, names)}"
 
 
+def search_dirs(argv: list[str]) -> tuple[list[Path], bool]:
+    """conf/ and the folders a `hydra.searchpath=[file://<folder>]` override adds (a user's own optim configs,
+    docs/optimizers.md#bring-your-own), and whether that is all of them: False when it also names another
+    kind of source (pkg://), which only Hydra reads."""
+    dirs, complete = [CONF_DIR], True
+    for arg in argv:
+        match = re.fullmatch(r"\+{0,2}hydra\.searchpath=\[?(.*?)\]?", arg)
+        for entry in match[1].split(",") if match else []:
+            entry = entry.strip().strip("'\"")
+            if entry.startswith("file://"):
+                dirs.append(Path(entry.removeprefix("file://")))  # (relative: to the working directory)
+            elif entry:
+                complete = False
+    return dirs, complete
+
+
 def check_group_overrides(argv: list[str]) -> None:
     """`optim=adamx` on the command line: one line naming the choices, before Hydra composes anything."""
+    dirs, complete = search_dirs(argv)
     for arg in argv:
         # plain values and comma sweeps; sweep functions, globs and interpolations are left to Hydra
         match = re.fullmatch(r"(\w+)=([\w.,-]+)", arg)
         if not match or match[1] not in GROUPS:
             continue
         group, values = match[1], match[2].split(",")
-        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        options = sorted({p.stem for folder in dirs for p in (folder / group).glob("*.yaml")})
         for value in values:
-            if value not in options:
+            if value not in options and complete:
                 raise ConfigError(f"{group}={value} is invalid: {allowed(value, options)}", (group,))
 
 
@@ -99,7 +116,6 @@ def _null_or(ok):
 
 
 CHOICES = {
-    "optim.name": REGISTRY,
     "backend.name": BACKENDS,
     "data.loader": DATA_LOADERS,
     "train.precision": PRECISIONS,
@@ -119,8 +135,14 @@ BOOLEANS = ("find_batch_size", "plan", "train.gradient_checkpointing")
 LOG_LEVELS = LEVELS  # log_level: pipeline.quiet
 
 
+def _check_optim_name(cfg: DictConfig) -> None:
+    """A registered optimizer, or a user's own (a name of its own with an optim.target: is_custom)."""
+    if not is_custom(cfg.optim):
+        _check_choice(cfg, "optim.name", REGISTRY)
+
+
 def _check_packages(cfg: DictConfig) -> None:
-    missing = missing_packages(REGISTRY[cfg.optim.name])
+    missing = missing_packages(spec_for(cfg.optim))
     if missing:
         raise ConfigError(
             f"optim={cfg.optim.name} needs the package(s) {', '.join(missing)}: "
@@ -130,9 +152,9 @@ def _check_packages(cfg: DictConfig) -> None:
 
 
 def _check_custom_optimizer(cfg: DictConfig) -> None:
-    """optim=custom: optim.target imports, is a torch.optim.Optimizer subclass and takes optim.kwargs (this
-    imports the target's module, so only for optim=custom)."""
-    if cfg.optim.name == "custom":
+    """optim=custom (or a user's own optim config): optim.target imports, is a torch.optim.Optimizer subclass
+    and takes optim.kwargs (this imports the target's module, so only for a custom optimizer)."""
+    if is_custom(cfg.optim):
         from pipeline.optimizers import check_custom
 
         try:
@@ -148,6 +170,34 @@ def _check_sharding_backend(cfg: DictConfig) -> None:
             "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)",
             ("train.sharding", "backend.name"),
         )
+
+
+def _check_in_backward(cfg: DictConfig) -> None:
+    """Optimizers that update inside the backward pass (LOMO, layer-wise) run in one process, are measured by
+    training (not planned), and AdaLomo needs CUDA (checked here for jobs that run on this machine)."""
+    spec = spec_for(cfg.optim)
+    name = cfg.optim.name
+    if spec.in_backward and (cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
+        raise ConfigError(
+            f"optim={name} is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job} / "
+            f"train.sharding={cfg.train.sharding}: it updates each parameter inside the backward pass, before "
+            "gradients are averaged over processes (one process: launcher.nproc_per_job=1, train.sharding=none)",
+            ("optim.name", "launcher.nproc_per_job", "train.sharding"),
+        )
+    if spec.in_backward and cfg.plan:
+        raise ConfigError(
+            f"plan=true is invalid with optim={name}: the plan models a separate optimizer step over all "
+            "gradients, and this optimizer updates inside the backward pass (measure it by training)",
+            ("optim.name", "plan"),
+        )
+    if spec.needs_cuda and cfg.launcher.name != "slurm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"optim={name} needs a CUDA device: {spec.needs_cuda}, and torch sees none here",
+                ("optim.name",),
+            )
 
 
 def _check_boolean(cfg: DictConfig, key: str) -> None:
@@ -221,6 +271,7 @@ def _also_on(check: Callable[[], None], *keys: str) -> Callable[[], None]:
 
 def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     """Every check of a config, in the order validate runs them: each raises ConfigError naming its keys."""
+    yield partial(_check_optim_name, cfg)
     for key, names in CHOICES.items():
         yield partial(_check_choice, cfg, key, names)
     yield partial(_check_choice, cfg, "log_level", LOG_LEVELS)
@@ -229,6 +280,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     for key in POSITIVE_INTS:
         yield partial(_check, cfg, key, _positive_int, "must be a positive integer")
     yield partial(_check_sharding_backend, cfg)
+    yield partial(_check_in_backward, cfg)
     yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     yield partial(
         _check,

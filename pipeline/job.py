@@ -48,7 +48,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     from pipeline import backends, batch_size, data, distributed, measurements, optimizers
     from pipeline.timing import StepTimer
 
-    spec = optimizers.get(cfg.optim.name)
+    spec = optimizers.spec_for(cfg.optim)
     distributed.check_world_size(cfg, "environment")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ValueError(

@@ -172,7 +172,9 @@ def record_all(folder: Path, tracker: Tracker | None = None) -> tuple[list[tuple
 
 
 # MLflow's error for a server that did not answer: the server and the cause, without the request's details
-_NO_ANSWER = re.compile(r"API request to (\S+?)/(?:api|ajax-api)/\S* failed with exception.*?(\[Errno -?\d+\] [^'\")]+|timed out)")
+_NO_ANSWER = re.compile(
+    r"API request to (\S+?)/(?:api|ajax-api)/\S* failed with exception.*?(\[Errno -?\d+\] [^'\")]+|timed out)"
+)
 
 
 def first_line(err: BaseException) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipeline.config import CONF_DIR, ConfigError, did_you_mean
+from pipeline.config import CONF_DIR, ConfigError, did_you_mean, search_dirs
 
 
 def _raw(path: Path) -> tuple[dict, str | None]:
@@ -47,17 +47,33 @@ def _defaults() -> tuple[dict, dict[str, str]]:
     return raw, chosen
 
 
-def known_keys(options: dict[str, list[str]]) -> dict:
+def option_file(group: str, name: str, dirs=(CONF_DIR,)) -> Path | None:
+    """A group option's file: in conf/ first, then in the folders a hydra.searchpath override adds."""
+    return next((d / group / f"{name}.yaml" for d in dirs if (d / group / f"{name}.yaml").exists()), None)
+
+
+def _option_keys(path: Path, group: str, dirs) -> tuple[dict, str | None]:
+    """An option file's keys, with those of the options of its group its defaults list starts from (a user's
+    `defaults: [custom, _self_]`), and its `# @package` header."""
+    raw, package = _raw(path)
+    for entry in (OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}).get("defaults", []):
+        base = option_file(group, entry, dirs) if isinstance(entry, str) and entry != "_self_" else None
+        if base is not None and base != path:
+            _union(raw, _option_keys(base, group, dirs)[0])
+    return raw, package
+
+
+def known_keys(options: dict[str, list[str]], dirs=(CONF_DIR,)) -> dict:
     """The tree of keys the command line can set, with `options` (group -> options it names) in place of
-    the defaults."""
+    the defaults; `dirs`: where options are found (conf/, then hydra.searchpath's folders)."""
     tree, chosen = _defaults()
     tree.pop("hydra", None)
     for group, names in {**{g: [o] for g, o in chosen.items()}, **options}.items():
         for name in names:
-            path = CONF_DIR / group / f"{name}.yaml"
-            if not path.exists():
+            path = option_file(group, name, dirs)
+            if path is None:
                 continue  # an unknown option: pipeline.config's group check says so
-            raw, package = _raw(path)
+            raw, package = _option_keys(path, group, dirs)
             if package == "_global_":
                 _union(tree, raw)
             else:
@@ -112,6 +128,7 @@ def check_keys(argv: list[str]) -> None:
         except HydraException:
             continue  # Hydra says what is wrong with it
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    dirs, _ = search_dirs(argv)
     options: dict[str, list[str]] = {}
     unsure: set[str] = set()
     for _, override in parsed:
@@ -123,6 +140,8 @@ def check_keys(argv: list[str]) -> None:
                 unsure.add(override.key_or_group)
                 continue
             options[override.key_or_group] = values  # the last one wins, as in Hydra
+            if any(option_file(override.key_or_group, v, dirs) is None for v in values):
+                unsure.add(override.key_or_group)  # an option from elsewhere (pkg://): Hydra knows its keys
     for text, override in parsed:
         key = override.key_or_group
         if (
@@ -137,7 +156,7 @@ def check_keys(argv: list[str]) -> None:
         # a key of a swept group must be in each of its options: every point composes one of them
         for option in options.get(root, [None]):
             err = unknown_key_error(
-                key, text, known_keys({**options, **({root: [option]} if option else {})})
+                key, text, known_keys({**options, **({root: [option]} if option else {})}, dirs)
             )
             if err is not None:
                 if len(options.get(root, [])) > 1:

@@ -20,6 +20,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeline import MB, StateSize
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (this runs inside one of its hooks)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def indexed(device) -> torch.device:
     """The device with its index: `cuda` becomes `cuda:<current device>`.
 
@@ -42,8 +47,37 @@ def storage_leaves(t: torch.Tensor):
         yield t
 
 
+ADALOMO_STATE = (
+    "exp_avg_sq",
+    "exp_avg_sq_row",
+    "exp_avg_sq_col",
+)  # AdaLomo's dicts: parameter name -> tensor
+
+
+def held_state(optimizer) -> dict:
+    """Everything an optimizer keeps, as ``optimizer.state`` lays it out ({key: {name: value}}): its ``state``,
+    and where the optimizers that update inside the backward pass keep theirs instead: transformers'
+    layer-wise dummy (the per-parameter optimizers of its ``optimizer_dict``) and AdaLomo (dicts of factored
+    second moments by parameter name, attributes of the object)."""
+    found = dict(optimizer.state)
+    for inner in (getattr(optimizer, "optimizer_dict", None) or {}).values():
+        found.update(held_state(inner))
+    if hasattr(optimizer, "fused_backward"):  # lomo-optim
+        for attr in ADALOMO_STATE:
+            for name, value in (getattr(optimizer, attr, None) or {}).items():
+                found.setdefault(name, {})[attr] = value
+    return found
+
+
+class StateHolder:
+    """An object whose ``state`` is all an optimizer keeps (`held_state`): what MemTracker reads."""
+
+    def __init__(self, optimizer):
+        self.state = held_state(optimizer)
+
+
 def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
-    """Elements and bytes of everything in ``optimizer.state``.
+    """Elements and bytes of everything an optimizer keeps (``optimizer.state``, see `held_state`).
 
     Every entry of every parameter's state counts; a Python scalar (``step``, ``RMS``) is one element of the
     dtype ``torch.tensor`` gives it; tensors are counted by the storage they hold (a view keeps its whole
@@ -83,7 +117,7 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
             visited.add(id(value))
             add(vars(value))
 
-    for state in optimizer.state.values():
+    for state in held_state(optimizer).values():
         add(state)
     return StateSize(numel, nbytes)
 
@@ -226,7 +260,7 @@ class KindPeak(TorchDispatchMode):
         self.current[entry[0]] -= entry[1]
 
     def file_state(self, optimizer) -> None:
-        self.track([v for state in optimizer.state.values() for v in tree_leaves(state)], "optimizer")
+        self.track([v for state in held_state(optimizer).values() for v in tree_leaves(state)], "optimizer")
 
     def __enter__(self):
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -341,8 +375,17 @@ class StepBreakdown(MemTracker):
         self._in_opt = True
 
     def optimizer_step_ended(self, optimizer) -> None:
-        self._track_optimizer_states(_MemRefType.OPT, optimizer)
+        self._track_optimizer_states(_MemRefType.OPT, StateHolder(optimizer))
         self._in_opt = False
+
+    def track_state(self, optimizer) -> None:
+        """File what the optimizer keeps (wherever it keeps it, `held_state`) as optimizer state."""
+        self._track_optimizer_states(_MemRefType.OPT, StateHolder(optimizer))
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        if t is None:  # a layer-wise optimizer's hook, which ran first, freed the gradient already
+            return set()
+        return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
     def metrics(self) -> dict[str, float]:
         peak = self._on_device(self.get_tracker_snapshot("peak"))
@@ -442,7 +485,7 @@ class TrainingMemory:
         live = [*self.model.parameters(), *self.model.buffers(), *inputs]
         live += [p.grad for p in self.model.parameters() if p.grad is not None]
         if self._optimizer is not None:
-            live += [v for state in self._optimizer.state.values() for v in tree_leaves(state)]
+            live += [v for state in held_state(self._optimizer).values() for v in tree_leaves(state)]
         return [t for t in live if isinstance(t, torch.Tensor)]
 
     def _before_any_forward(self, module, args) -> None:
@@ -471,12 +514,16 @@ class TrainingMemory:
             self._tracking = True
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if in_backward():
+            return  # a per-parameter optimizer stepped from a gradient hook: part of the backward pass
         self._depth += 1
         self._optimizer = optimizer  # the innermost: the one holding the state
         if self.breakdown is not None:
             self.breakdown.optimizer_step_started()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if in_backward():
+            return
         self._depth -= 1
         if self._depth:
             return
@@ -484,6 +531,17 @@ class TrainingMemory:
         if self.breakdown is not None:
             self.breakdown.optimizer_step_ended(self._optimizer)
         self._end_step(stepped=True)
+
+    def updated_in_backward(self, optimizer) -> None:
+        """The loop's step ended with the update made inside the backward pass (LOMO, a layer-wise
+        optimizer), where no whole-model optimizer step runs whose hook would end it: end it as that hook
+        would, unless one did (the Trainer calls a no-op step on the layer-wise dummy)."""
+        if self._step_open:
+            self._optimizer = optimizer
+            self.optimizer_steps += 1
+            if self.breakdown is not None:
+                self.breakdown.track_state(optimizer)
+            self._end_step(stepped=True)
 
     def _end_step(self, stepped: bool) -> None:
         self._step_open = False
@@ -501,7 +559,9 @@ class TrainingMemory:
     def _start_breakdown(self) -> None:
         allocated = None if self.on_cpu else (lambda: torch.cuda.memory_allocated(self.device))
         self.breakdown = StepBreakdown(self.device, allocated)
-        self.breakdown.track_external(self.model, *([self._optimizer] if self._optimizer else []))
+        self.breakdown.track_external(self.model)
+        if self._optimizer is not None:
+            self.breakdown.track_state(self._optimizer)
         # MemTracker warns at every backward hook of a module it sees freed; nothing to act on here
         self._quiet = warnings.catch_warnings()
         self._quiet.__enter__()

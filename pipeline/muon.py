@@ -70,6 +70,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         }
         self.muon.state = self.adamw.state = self.state  # one state: both parts' entries
 
+    def __setstate__(self, state: dict) -> None:
+        """`load_state_dict` ends here with a new state dict and new group dicts (accelerate's `prepare` reloads
+        an optimizer's own state dict to place it on the device): the parts take them over, or their steps
+        would fill a dict nothing counts and miss the schedule's rates."""
+        super().__setstate__(state)
+        if "muon" in self.__dict__:
+            n = len(self.muon.param_groups)
+            self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+            self.muon.state = self.adamw.state = self.state
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -98,6 +98,11 @@ class OptimizerSpec:
     # the step cannot be simulated)
     step_temporaries: tuple[float, float] = (0.0, 0.0)
     step_in_fp32: bool = False  # its temporaries are fp32 whatever the weights' dtype (torchao upcasts)
+    # updates inside the backward pass, no separate step: LOMO ("lomo": `fused_backward(loss, lr)`, driven by
+    # accelerate's `backward(loss, learning_rate=...)`) or LAYERWISE (one optimizer per parameter, stepped from
+    # a post-accumulate-grad hook); None: an ordinary `optimizer.step()` after backward
+    in_backward: str | None = None
+    needs_cuda: str | None = None  # why it cannot run without a CUDA device (one line), None when it can
 
     def trainer_string(self, cfg) -> str | None:
         """The Trainer's `optim=` string when its path builds this optimizer with the config's settings; None
@@ -165,6 +170,9 @@ ARGS_SETTINGS = ("min_8bit_size", "optim_bits")
 def built_settings(optimizer) -> str:
     """What an optimizer object was built with (its `defaults` and the settings kept beside them, plain values
     only) as JSON: the run's param `optim_settings`, to compare what each backend really ran."""
+    inner = getattr(optimizer, "optimizer_dict", None)
+    if inner:  # transformers' layer-wise dummy: the per-parameter optimizers hold the settings
+        optimizer = next(iter(inner.values()))
     found = dict(optimizer.defaults)
     found.update(
         {k: kind(getattr(optimizer, k)) for k, kind in ATTRIBUTE_SETTINGS.items() if hasattr(optimizer, k)}
@@ -269,10 +277,14 @@ def build_adafactor(model, cfg):
     from transformers.optimization import Adafactor
 
     # with the defaults of conf/optim/adafactor.yaml, what TrainingArguments(optim="adafactor") builds
-    groups = param_groups(model, cfg.train.weight_decay)
+    return adafactor_built(Adafactor, param_groups(model, cfg.train.weight_decay), cfg)
+
+
+def adafactor_built(cls, groups, cfg):
+    """An Adafactor class (transformers' or galore-torch's, the same constructor) with conf/optim's settings."""
     o = cfg.optim
     relative = o.relative_step
-    optimizer = Adafactor(
+    optimizer = cls(
         groups,
         lr=None if relative else learning_rate(cfg),  # Adafactor refuses a rate beside its relative step
         eps=tuple(o.eps),
@@ -302,17 +314,18 @@ TRAINER_ADAFACTOR = {
 
 
 def estimate_adafactor(params, cfg, variant=None, model_config=None) -> StateSize:
-    # fp32 statistics: row + column for matrices, full for vectors; exp_avg (fp32) only with beta1;
-    # `RMS` a float32 0-d tensor, `step` a Python int (int64)
+    return total(adafactor_state(p.shape, cfg) for p in params)
+
+
+def adafactor_state(shape, cfg) -> StateSize:
+    """Adafactor's state for a gradient of this shape: fp32 statistics, row + column for matrices, full for
+    vectors; exp_avg (fp32) only with beta1; `RMS` a float32 0-d tensor, `step` a Python int (int64)."""
     first = cfg.optim.get("beta1") is not None
-    return total(
-        size(
-            (factored(p.shape) if len(p.shape) >= 2 else p.numel, FP32),
-            (p.numel if first else 0, FP32),
-            (1, FP32),
-            (1, INT64),
-        )
-        for p in params
+    return size(
+        (factored(shape) if len(shape) >= 2 else prod(shape), FP32),
+        (prod(shape) if first else 0, FP32),
+        (1, FP32),
+        (1, INT64),
     )
 
 
@@ -320,23 +333,28 @@ def estimate_adafactor(params, cfg, variant=None, model_config=None) -> StateSiz
 
 
 def bnb_builder(kind: str, bits: int, paged: bool = False):
+    """bitsandbytes' AdamW, Lion or RMSprop with `bits`-bit state (paged: in CUDA unified memory)."""
+
     def build(model, cfg):
         import bitsandbytes as bnb
 
         groups = param_groups(model, cfg.train.weight_decay)
-        cls = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[kind]
-        extra = {"eps": cfg.optim.eps} if kind == "adamw" else {}
-        return cls(
-            groups,
-            lr=learning_rate(cfg),
-            betas=tuple(cfg.optim.betas),
-            optim_bits=bits,
-            is_paged=paged,
-            min_8bit_size=min_8bit_size(cfg),
-            **extra,
-        )
+        o = cfg.optim
+        if kind == "rmsprop":  # no betas, and no paged variant
+            cls, extra = bnb.optim.RMSprop, {"alpha": o.alpha, "eps": o.eps, "momentum": o.momentum}
+        else:
+            cls = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[kind]
+            extra = {"betas": tuple(o.betas), "is_paged": paged}
+            if kind == "adamw":
+                extra["eps"] = o.eps
+        return cls(groups, lr=learning_rate(cfg), optim_bits=bits, min_8bit_size=min_8bit_size(cfg), **extra)
 
     return build
+
+
+# the values the Trainer's rmsprop_bnb* path builds bitsandbytes' RMSprop with (bitsandbytes' defaults): it
+# hands its optim_args over as text, which the optimizer cannot compute with, so it can carry no setting
+TRAINER_BNB_RMSPROP = {"alpha": 0.99, "eps": 1e-8, "momentum": 0}
 
 
 def min_8bit_size(cfg) -> int:
@@ -434,19 +452,22 @@ def galore_kwargs(cfg) -> dict:
     return {"rank": o.rank, "update_proj_gap": o.update_proj_gap, "scale": o.scale, "proj_type": o.proj_type}
 
 
-def build_galore_adamw(model, cfg):
-    from galore_torch import GaLoreAdamW
-
+def galore_groups(model, cfg) -> list[dict]:
+    """The Trainer's GaLore groups: everything else, then the projected weights (no weight-decay split)."""
     targets = galore_targets(model, cfg)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # the Trainer's GaLore groups: everything else, then the projected weights (no weight-decay split)
-    groups = [
+    return [
         {"params": [p for n, p in named if n not in targets]},
         {"params": [p for n, p in named if n in targets], **galore_kwargs(cfg)},
     ]
+
+
+def build_galore_adamw(model, cfg):
+    from galore_torch import GaLoreAdamW
+
     o = cfg.optim
     return GaLoreAdamW(
-        groups,
+        galore_groups(model, cfg),
         lr=learning_rate(cfg),
         betas=tuple(o.betas),
         eps=o.eps,
@@ -454,33 +475,64 @@ def build_galore_adamw(model, cfg):
     )
 
 
-def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
-    """Projected weights (m x n, std projection): Adam moments of the low-rank gradient, (m x r) when m >= n
-    else (r x n), r = min(rank, m, n), in the weight's dtype; the projector keeps its slice of the SVD factor
-    (Vh's r x n rows when m >= n, else U's m x r columns). The SVD runs in fp32: for an fp32 weight the slice
-    is a view that keeps the whole factor, min(m, n)^2 fp32 values; for a 16-bit weight it is a 16-bit copy
-    of the slice alone. Other parameters: plain Adam. `step` a Python int."""
+def build_galore_adafactor(model, cfg):
+    """galore-torch's Adafactor: transformers' Adafactor on the projected gradients (the Trainer's
+    optim="galore_adafactor" builds it with Adafactor's settings as optim="adafactor" does)."""
+    from galore_torch import GaLoreAdafactor
+
+    return adafactor_built(GaLoreAdafactor, galore_groups(model, cfg), cfg)
+
+
+def galore_projection(p: ParamInfo, cfg, svd_itemsize: int) -> tuple[tuple[int, int], StateSize] | None:
+    """A projected weight's low-rank gradient shape and its projector's size; None for a weight GaLore leaves
+    alone. std projection of an m x n weight: (m x r) when m >= n else (r x n), r = min(rank, m, n); the
+    projector keeps its slice of the SVD factor (Vh's r x n rows when m >= n, else U's m x r columns). The
+    SVD runs in fp32: of an fp32 gradient (`svd_itemsize` 4) the slice is a view that keeps the whole factor,
+    min(m, n)^2 fp32 values; of a 16-bit one it is a 16-bit copy of the slice alone."""
     if cfg.optim.proj_type != "std":
         raise NotImplementedError("the GaLore estimate models proj_type=std")
     # names alone do not tell module types; targets are 2-D weights whose name matches, as galore_targets
     from transformers.trainer_utils import check_target_module_exists
 
-    targets = list(cfg.optim.target_modules)
+    module = p.name.removesuffix(".weight")
+    if not (p.name.endswith(".weight") and len(p.shape) == 2):
+        return None
+    if not check_target_module_exists(list(cfg.optim.target_modules), module):
+        return None
+    m, n = p.shape
+    r = min(cfg.optim.rank, m, n)
+    # the projector object also keeps rank, verbose, update_proj_gap and scale as Python scalars
+    knobs = [cfg.optim.rank, False, cfg.optim.update_proj_gap, cfg.optim.scale]
+    sliced = r * n if m >= n else m * r
+    kept = (min(m, n) ** 2, FP32) if svd_itemsize == FP32 else (sliced, svd_itemsize)
+    return ((m, r) if m >= n else (r, n)), size(kept, *[(1, scalar_bytes(v)) for v in knobs])
+
+
+def estimate_galore_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Projected weights: Adam moments of the low-rank gradient in the weight's dtype, and the projector of a
+    gradient in the weight's dtype (`galore_projection`). Other parameters: plain Adam. `step` a Python int."""
     parts = []
     for p in params:
-        module = p.name.removesuffix(".weight")
-        if p.name.endswith(".weight") and len(p.shape) == 2 and check_target_module_exists(targets, module):
-            m, n = p.shape
-            r = min(cfg.optim.rank, m, n)
-            low_rank = m * r if m >= n else r * n
-            # the projector object also keeps rank, verbose, update_proj_gap and scale as Python scalars
-            knobs = [cfg.optim.rank, False, cfg.optim.update_proj_gap, cfg.optim.scale]
-            sliced = r * n if m >= n else m * r
-            kept = (min(m, n) ** 2, FP32) if p.itemsize == FP32 else (sliced, p.itemsize)
-            projector = size(kept, *[(1, scalar_bytes(v)) for v in knobs])
-            parts += [size((2 * low_rank, p.itemsize), (1, INT64)), projector]
+        projected = galore_projection(p, cfg, p.itemsize)
+        if projected:
+            low_rank, projector = projected
+            parts += [size((2 * prod(low_rank), p.itemsize), (1, INT64)), projector]
         else:
             parts += [size((2 * p.numel, p.itemsize), (1, INT64))]
+    return total(parts)
+
+
+def estimate_galore_adafactor(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Adafactor's state (`adafactor_state`) of the low-rank gradient for projected weights, of the whole one
+    elsewhere; it upcasts 16-bit gradients before projecting them, so every projector is of an fp32 one."""
+    parts = []
+    for p in params:
+        projected = galore_projection(p, cfg, FP32)
+        if projected:
+            low_rank, projector = projected
+            parts += [adafactor_state(low_rank, cfg), projector]
+        else:
+            parts.append(adafactor_state(p.shape, cfg))
     return total(parts)
 
 
@@ -555,35 +607,51 @@ def estimate_adam_mini(params, cfg, variant=None, model_config=None) -> StateSiz
 # --- schedule-free ----------------------------------------------------------------------------------------
 
 
-def build_schedule_free_adamw(model, cfg):
-    from schedulefree import AdamWScheduleFree
+def schedule_free_builder(kind: str):
+    """schedulefree's AdamW, RAdam or SGD, as the Trainer's schedule_free_<kind> path builds it."""
 
-    groups = param_groups(model, cfg.train.weight_decay)
-    return AdamWScheduleFree(
-        groups,
-        lr=learning_rate(cfg),
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.train.weight_decay,
-        warmup_steps=cfg.train.warmup_steps,
-        r=cfg.optim.get("r", 0.0),
-        weight_lr_power=cfg.optim.get("weight_lr_power", 2.0),
-    )
+    def build(model, cfg):
+        import schedulefree
+
+        o = cfg.optim
+        if kind == "sgd":
+            cls, extra = schedulefree.SGDScheduleFree, {"momentum": o.momentum}
+        else:
+            cls = {"adamw": schedulefree.AdamWScheduleFree, "radam": schedulefree.RAdamScheduleFree}[kind]
+            extra = {"betas": tuple(o.betas), "eps": o.eps}
+        if kind == "radam":  # RAdam needs no warmup: a plain SGD phase (or none) stands in for it
+            extra["silent_sgd_phase"] = o.silent_sgd_phase
+        else:
+            extra["warmup_steps"] = cfg.train.warmup_steps
+        return cls(
+            param_groups(model, cfg.train.weight_decay),
+            lr=learning_rate(cfg),
+            weight_decay=cfg.train.weight_decay,
+            r=o.get("r", 0.0),
+            weight_lr_power=o.get("weight_lr_power", 2.0),
+            **extra,
+        )
+
+    return build
 
 
 def schedule_free_trainer_args(cfg) -> dict:
     """betas and eps as TrainingArguments; r and weight_lr_power through optim_args, which its path reads."""
     o = cfg.optim
     return {
-        **adam_args(cfg),
+        **(adam_args(cfg) if "betas" in o else {}),  # (SGD has none)
         "optim_args": optim_args(r=o.get("r", 0.0), weight_lr_power=o.get("weight_lr_power", 2.0)),
     }
 
 
-def estimate_schedule_free_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
-    return total(
-        size((2 * p.numel, p.itemsize)) for p in params
-    )  # z and exp_avg_sq; the step count is per group
+def schedule_free_estimator(states: int):
+    """`states` parameter-size tensors per parameter (AdamW and RAdam: z and exp_avg_sq; SGD: z); the step
+    count is per group."""
+
+    def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
+        return total(size((states * p.numel, p.itemsize)) for p in params)
+
+    return estimate
 
 
 def torchao_spec(name: str, kind: str, trainer_optim: str | None = None) -> OptimizerSpec:
@@ -883,6 +951,89 @@ def estimate_apollo_adamw(params, cfg, variant=None, model_config=None) -> State
     return total(parts)
 
 
+# --- issue 17: updating inside the backward pass (LOMO, AdaLomo, layer-wise GaLore) -----------------------
+
+LOMO, LAYERWISE = "lomo", "layerwise"  # OptimizerSpec.in_backward
+ADALOMO_NEEDS_CUDA = "AdaLomo (lomo-optim) allocates its state with .cuda()"
+
+
+def build_lomo(model, cfg):
+    """lomo-optim's Lomo as the Trainer's optim="lomo" builds it: the model and the rate alone (no weight
+    decay, no clipping). It registers a gradient hook on every parameter that updates the parameters whose
+    gradient is complete and frees those gradients; `fused_backward(loss, lr)` runs the backward pass."""
+    from lomo_optim import Lomo
+
+    return Lomo(model, lr=learning_rate(cfg))
+
+
+def build_adalomo(model, cfg):
+    """lomo-optim's AdaLomo as the Trainer's optim="adalomo" builds it (model and rate alone)."""
+    from lomo_optim import AdaLomo
+
+    return AdaLomo(model, lr=learning_rate(cfg))
+
+
+def estimate_lomo(params, cfg, variant=None, model_config=None) -> StateSize:
+    return StateSize(0, 0)  # plain SGD applied in the gradient hooks: no state
+
+
+def estimate_adalomo(params, cfg, variant=None, model_config=None) -> StateSize:
+    """Adafactor's factored second moment, fp32 whatever the weights' dtype: rows + columns (shape[0] +
+    shape[1]) for a matrix, a full vector for a vector. Its step count is one Python int for the whole
+    optimizer (not per parameter; not counted, as a group's step count is not)."""
+    return total(size((p.shape[0] + p.shape[1] if len(p.shape) > 1 else p.numel, FP32)) for p in params)
+
+
+def build_galore_adamw_layerwise(model, cfg):
+    """The Trainer's optim="galore_adamw_layerwise": one GaLoreAdamW per parameter (the projected weights with
+    GaLore's group settings), each stepped and its gradient freed from that parameter's post-accumulate-grad
+    hook, behind transformers' LayerWiseDummyOptimizer (whose step and zero_grad do nothing); the Trainer's
+    per-parameter optimizers get the rate alone (galore-torch's betas, eps, bias correction: trainer_fixed)."""
+    from galore_torch import GaLoreAdamW
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+
+    targets = galore_targets(model, cfg)
+    o = cfg.optim
+    kwargs = {"lr": learning_rate(cfg), "betas": tuple(o.betas), "eps": o.eps, "correct_bias": o.correct_bias}
+    named = list(model.named_parameters())
+    # the Trainer's order: the other parameters, then the projected weights (with GaLore's group settings)
+    optimizer_dict = {p: GaLoreAdamW([{"params": [p]}], **kwargs) for n, p in named if n not in targets}
+    for n, p in named:
+        if n in targets:
+            optimizer_dict[p] = GaLoreAdamW([{"params": [p], **galore_kwargs(cfg)}], **kwargs)
+
+    def optimizer_hook(p):
+        if p.grad is not None:
+            optimizer_dict[p].step()
+            optimizer_dict[p].zero_grad()
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(optimizer_hook)
+    return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=learning_rate(cfg))
+
+
+def galore_layerwise_trainer_args(cfg) -> dict:
+    """The target modules and GaLore's group settings (optim_args), as for galore_adamw."""
+    return {
+        "optim_target_modules": list(cfg.optim.target_modules),
+        "optim_args": optim_args(**galore_kwargs(cfg)),
+    }
+
+
+def step_without_backward(spec: OptimizerSpec, optimizer) -> None:
+    """With the gradients in place, the update the way its backend drives it, without a backward pass (the
+    meta-device estimate): LOMO's hook body (as `fused_backward` runs it for the last parameter), each
+    layer-wise optimizer's step (as its hook does), else `step()`."""
+    if spec.in_backward == LOMO:
+        optimizer.grad_func(0)
+    elif spec.in_backward == LAYERWISE:
+        for inner in optimizer.optimizer_dict.values():
+            inner.step()
+    else:
+        optimizer.step()
+
+
 # --- bring your own: optim=custom optim.target=<module.Class> ----------------------------------------------
 
 
@@ -978,6 +1129,8 @@ def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
 
     from pipeline.memory import optimizer_state_size
 
+    if spec.needs_cuda:  # AdaLomo puts its state on the GPU whatever its parameters' device
+        raise MetaStepFailed(f"the optimizer cannot be built on meta tensors ({spec.needs_cuda})")
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.empty_like(p)
@@ -985,7 +1138,7 @@ def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
         optimizer = spec.build(model, cfg)
         if spec.needs_train_eval_mode:  # schedule-free: steps in train mode, as both backends run it
             optimizer.train()
-        optimizer.step()
+        step_without_backward(spec, optimizer)  # (those that update in backward: what their hooks do)
     except Exception as err:  # noqa: BLE001 (reported as the reason there is no estimate)
         text = str(err).strip().splitlines()
         why = f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
@@ -1092,8 +1245,8 @@ REGISTRY: dict[str, OptimizerSpec] = {
         ),
         OptimizerSpec(
             "schedule_free_adamw",
-            build_schedule_free_adamw,
-            estimate_schedule_free_adamw,
+            schedule_free_builder("adamw"),
+            schedule_free_estimator(2),
             "schedule_free_adamw",
             schedule_free_trainer_args,
             requires=("schedulefree",),
@@ -1188,6 +1341,105 @@ REGISTRY: dict[str, OptimizerSpec] = {
             requires=("apollo_torch",),
             step_temporaries=(2, 0),
         ),
+        OptimizerSpec("lomo", build_lomo, estimate_lomo, "lomo", requires=("lomo_optim",), in_backward=LOMO),
+        OptimizerSpec(
+            "adalomo",
+            build_adalomo,
+            estimate_adalomo,
+            "adalomo",
+            requires=("lomo_optim",),
+            in_backward=LOMO,
+            needs_cuda=ADALOMO_NEEDS_CUDA,
+        ),
+        OptimizerSpec(
+            "galore_adamw_layerwise",
+            build_galore_adamw_layerwise,
+            estimate_galore_adamw,  # per parameter the same state as galore_adamw's
+            "galore_adamw_layerwise",
+            galore_layerwise_trainer_args,
+            # its path gives each per-parameter optimizer the rate alone: galore-torch's defaults
+            trainer_fixed={"betas": [0.9, 0.999], "eps": 1e-6, "correct_bias": True},
+            requires=("galore_torch",),
+            in_backward=LAYERWISE,
+        ),
+        # issue 17: the rest of the Trainer's optim= strings that run here (paging needs CUDA: on CPU
+        # bitsandbytes falls back to ordinary state, as for paged_adamw_8bit)
+        OptimizerSpec(
+            "paged_adamw_32bit",
+            bnb_builder("adamw", 32, paged=True),
+            bnb_estimator(2, 32),
+            "paged_adamw_32bit",
+            adam_args,
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "paged_lion_8bit",
+            bnb_builder("lion", 8, paged=True),
+            bnb_estimator(1, 8),
+            "paged_lion_8bit",
+            adam_args,
+            TRAINER_EMBEDDING_FP32,
+            {"min_8bit_size": BNB_MIN_8BIT_SIZE},
+            ("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "paged_lion_32bit",
+            bnb_builder("lion", 32, paged=True),
+            bnb_estimator(1, 32),
+            "paged_lion_32bit",
+            adam_args,
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "rmsprop_bnb_8bit",
+            bnb_builder("rmsprop", 8),
+            bnb_estimator(1, 8),
+            "rmsprop_bnb_8bit",
+            trainer_variant=TRAINER_EMBEDDING_FP32,
+            trainer_fixed={**TRAINER_BNB_RMSPROP, "min_8bit_size": BNB_MIN_8BIT_SIZE},
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "rmsprop_bnb_32bit",  # the Trainer's rmsprop_bnb is the same 32-bit optimizer
+            bnb_builder("rmsprop", 32),
+            bnb_estimator(1, 32),
+            "rmsprop_bnb_32bit",
+            trainer_fixed=TRAINER_BNB_RMSPROP,
+            requires=("bitsandbytes",),
+        ),
+        OptimizerSpec(
+            "galore_adafactor",
+            build_galore_adafactor,
+            estimate_galore_adafactor,
+            "galore_adafactor",
+            galore_layerwise_trainer_args,  # (the target modules and GaLore's settings, as for galore_adamw)
+            # its path builds Adafactor as optim="adafactor" does: it passes no Adafactor setting
+            trainer_fixed=TRAINER_ADAFACTOR,
+            requires=("galore_torch",),
+            step_temporaries=(2, 0),
+        ),
+        OptimizerSpec(
+            "schedule_free_radam",
+            schedule_free_builder("radam"),
+            schedule_free_estimator(2),
+            "schedule_free_radam",
+            schedule_free_trainer_args,
+            trainer_fixed={"silent_sgd_phase": True},
+            requires=("schedulefree",),
+            needs_train_eval_mode=True,
+            step_temporaries=(0, 1),
+        ),
+        OptimizerSpec(
+            "schedule_free_sgd",
+            schedule_free_builder("sgd"),
+            schedule_free_estimator(1),
+            "schedule_free_sgd",
+            schedule_free_trainer_args,
+            trainer_fixed={"momentum": 0.9},  # its path passes no momentum: schedulefree's default
+            requires=("schedulefree",),
+            needs_train_eval_mode=True,
+            step_temporaries=(0, 1),
+        ),
         OptimizerSpec("custom", build_custom, estimate_custom),
     ]
 }
@@ -1217,6 +1469,18 @@ def get(name: str) -> OptimizerSpec:
     if name not in REGISTRY:
         raise KeyError(f"optim.name={name!r} is not registered; choose one of: {', '.join(REGISTRY)}")
     return REGISTRY[name]
+
+
+def is_custom(optim) -> bool:
+    """A user's own optimizer: optim=custom, or an optim config of the user's own naming (a name the registry
+    does not hold) that sets `target`, e.g. a file in a folder added with hydra.searchpath whose defaults
+    list starts from `custom` (docs/optimizers.md#bring-your-own). Its runs carry the user's name."""
+    return optim.name == "custom" or (optim.name not in REGISTRY and optim.get("target") is not None)
+
+
+def spec_for(optim) -> OptimizerSpec:
+    """The registry entry that builds and estimates the optimizer a config's `optim` node describes."""
+    return REGISTRY["custom"] if is_custom(optim) else get(optim.name)
 
 
 def missing_packages(spec: OptimizerSpec) -> list[str]:

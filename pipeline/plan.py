@@ -439,7 +439,7 @@ def plan_result(cfg) -> dict:
     from pipeline import models, optimizers, predict  # predict: the field's rules of thumb
 
     start = time.perf_counter()
-    spec = optimizers.get(cfg.optim.name)
+    spec = optimizers.spec_for(cfg.optim)
     config = models.model_config(cfg.model, num_labels=2)
     if config.pad_token_id is None:  # decoders classify from the last non-padding token
         config.pad_token_id = 0

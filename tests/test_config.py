@@ -3,6 +3,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pipeline.config import ConfigError, validate
 from pipeline.optimizers import REGISTRY
@@ -23,6 +24,9 @@ def test_every_config_file_composes(group, name):
     assert cfg[group].name == name
     if group == "data" and name == "csv":
         with pytest.raises(ConfigError, match="data.train_file is required"):
+            validate(cfg)
+    elif group == "optim" and REGISTRY[name].needs_cuda and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=f"optim={name} needs a CUDA device"):  # (adalomo)
             validate(cfg)
     elif group == "tracking" and name == "server":  # a server the check cannot reach must be named
         cfg.tracking.uri = "http://127.0.0.1:9"
@@ -82,7 +86,7 @@ def test_cli_help_and_cfg_job():
         [sys.executable, "-m", "pipeline", "--help"], cwd=ROOT, capture_output=True, text=True
     )
     assert help_out.returncode == 0 and help_out.stdout.startswith("optimizer-sweep: ")
-    assert "options: adafactor, adafactor_torch, adagrad, adam_mini, adamw," in help_out.stdout
+    assert "options: adafactor, adafactor_torch, adagrad, adalomo, adam_mini, adamw," in help_out.stdout
     cfg_out = subprocess.run(
         [sys.executable, "-m", "pipeline", "--cfg", "job", "optim=adafactor"],
         cwd=ROOT,

@@ -221,6 +221,17 @@ OPTIMIZER_CLASS = {
     "came": "came_pytorch.CAME",
     "prodigy": "prodigyopt.Prodigy",
     "apollo_adamw": "apollo_torch.APOLLOAdamW",
+    "paged_adamw_32bit": "bitsandbytes.optim.AdamW",
+    "paged_lion_8bit": "bitsandbytes.optim.Lion",
+    "paged_lion_32bit": "bitsandbytes.optim.Lion",
+    "rmsprop_bnb_8bit": "bitsandbytes.optim.RMSprop",
+    "rmsprop_bnb_32bit": "bitsandbytes.optim.RMSprop",
+    "galore_adafactor": "galore_torch.GaLoreAdafactor",
+    "schedule_free_radam": "schedulefree.RAdamScheduleFree",
+    "schedule_free_sgd": "schedulefree.SGDScheduleFree",
+    "lomo": "lomo_optim.Lomo",
+    "adalomo": "lomo_optim.AdaLomo",
+    "galore_adamw_layerwise": "galore_torch.GaLoreAdamW",
 }
 # where a config deliberately differs from the constructor's own default (and why)
 NOT_THE_CONSTRUCTORS = {
@@ -228,6 +239,8 @@ NOT_THE_CONSTRUCTORS = {
     ("adafactor", "relative_step"): False,  # (an external rate: train.lr)
     ("sgd", "momentum"): 0.9,
     ("adamw_torchao_4bit", "block_size"): 256,  # what the Trainer passes
+    ("galore_adafactor", "scale_parameter"): False,  # as adafactor's: the Trainer's settings
+    ("galore_adafactor", "relative_step"): False,
 }
 NOT_CONSTRUCTOR_ARGUMENTS = {"target_modules", "rank", "update_proj_gap", "scale", "proj_type", "names"}
 NOT_CONSTRUCTOR_ARGUMENTS |= {"proj", "scale_type", "adamw_names"}  # APOLLO's group settings; Muon's head
@@ -240,14 +253,30 @@ SWITCHES |= {
     "fsdp_in_use",
 }  # optimi's kernels and fused backward; Prodigy's FSDP
 FROM_ELSEWHERE = {"weight_decay", "warmup_steps", "dim", "n_heads", "n_kv_heads", "no_deprecation_warning"}
-IDENTITY = {"optim_bits", "is_paged", "args"}
+IDENTITY = {"optim_bits", "is_paged", "args", "model"}  # (LOMO takes the model itself)
 TORCHAO = ("adamw_torchao_8bit", "adamw_torchao_4bit", "adamw_torchao_fp8")
+RMSPROP_BNB = ("rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
 LEFT_OUT = {
     ("adamw_8bit", "amsgrad"): "bitsandbytes' 8-bit AdamW has no amsgrad",
     ("paged_adamw_8bit", "amsgrad"): "bitsandbytes' 8-bit AdamW has no amsgrad",
     ("lion_32bit", "min_8bit_size"): "no effect on 32-bit state",
     ("ademamix", "min_8bit_size"): "no effect on 32-bit state",
+    **{(o, "min_8bit_size"): "no effect on 32-bit state" for o in ("paged_lion_32bit", "rmsprop_bnb_32bit")},
+    ("paged_adamw_32bit", "min_8bit_size"): "no effect on 32-bit state",
+    ("paged_adamw_32bit", "amsgrad"): "bitsandbytes' AdamW ignores it",
+    **{(o, "centered"): "bitsandbytes' RMSprop refuses it" for o in RMSPROP_BNB},
     **{(o, "amsgrad"): "torchao's low-bit states cannot take it" for o in TORCHAO},
+    # the Trainer builds LOMO and AdaLomo from the model and the rate only, and clips nothing in them
+    # (docs/optimizers.md, "Updating inside the backward pass"): what it cannot pass is not shown either
+    **{
+        (o, key): "the Trainer's lomo/adalomo path passes only the model and the rate"
+        for o, keys in (("lomo", ("loss_scale_args",)), ("adalomo", ()))
+        for key in ("clip_grad_norm", "clip_grad_value", *keys)
+    },
+    **{
+        ("adalomo", key): "the Trainer's adalomo path passes only the model and the rate"
+        for key in ("eps", "clip_threshold", "decay_rate", "loss_scale")
+    },
 }
 
 
@@ -296,6 +325,15 @@ CHANGED = [
     ("galore_adamw", ["optim.rank=8", "optim.scale=0.5"], "galore_adamw"),
     ("galore_adamw", ["optim.correct_bias=false"], None),
     ("schedule_free_adamw", ["optim.r=0.5", "optim.weight_lr_power=1.0"], "schedule_free_adamw"),
+    ("paged_adamw_32bit", ["optim.betas=[0.8,0.99]", "optim.eps=1e-6"], "paged_adamw_32bit"),
+    ("rmsprop_bnb_32bit", ["optim.alpha=0.9"], None),
+    ("rmsprop_bnb_8bit", ["optim.momentum=0.5"], None),
+    ("galore_adafactor", ["optim.rank=8", "optim.scale=0.5"], "galore_adafactor"),
+    ("galore_adafactor", ["optim.clip_threshold=0.5"], None),
+    ("schedule_free_radam", ["optim.r=0.5", "optim.betas=[0.8,0.99]"], "schedule_free_radam"),
+    ("schedule_free_radam", ["optim.silent_sgd_phase=false"], None),
+    ("schedule_free_sgd", ["optim.r=0.5", "optim.weight_lr_power=1.0"], "schedule_free_sgd"),
+    ("schedule_free_sgd", ["optim.momentum=0.8"], None),
 ]
 
 

@@ -58,8 +58,30 @@ def one_step(model, optimizer, vocab):
     torch.manual_seed(0)
     ids = torch.randint(0, vocab, (2, 16))
     loss = model(input_ids=ids, labels=torch.tensor([0, 1])).loss
-    loss.backward()
-    optimizer.step()
+    if hasattr(optimizer, "fused_backward"):  # LOMO, AdaLomo: the update runs inside the backward pass
+        optimizer.fused_backward(loss, optimizer.defaults["lr"])
+    else:  # (a layer-wise optimizer steps from its hooks; its whole-model step does nothing)
+        loss.backward()
+        optimizer.step()
+
+
+class CudaStaysPut(torch.overrides.TorchFunctionMode):
+    """`Tensor.cuda()` leaves a tensor where it is. AdaLomo allocates its state with `.cuda()` (the pipeline
+    runs it on CUDA only); its state's size does not depend on the device, so on a CPU-only machine the tests
+    count it on the CPU this way."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def build(spec, model, cfg):
+    """The registry's optimizer; one that needs CUDA on a machine without it, with its state on the CPU."""
+    if spec.needs_cuda and not torch.cuda.is_available():
+        with CudaStaysPut():
+            return spec.build(model, cfg)
+    return spec.build(model, cfg)
 
 
 # settings that leave the state alone but make a CPU step affordable: torch's Muon runs its Newton-Schulz
@@ -78,13 +100,36 @@ def test_measured_state_equals_estimate(model_name, optim):
         assert sum(p.numel() for p in model.parameters()) == 65_783_042
         assert len(list(model.parameters())) == 104
     spec = optimizers.get(optim)
-    optimizer = spec.build(model, cfg)
+    optimizer = build(spec, model, cfg)
     if spec.needs_train_eval_mode:
         optimizer.train()
     one_step(model, optimizer, models.vocab_size(model))
     measured = optimizer_state_size(optimizer)
     estimated = spec.estimate(optimizers.param_infos(model), cfg, None, model.config)
     assert measured == estimated
+
+
+@pytest.mark.parametrize("optim", list(optimizers.REGISTRY))
+def test_measured_state_equals_estimate_through_accelerate(optim):
+    """The optimizer as both backends step it, wrapped by accelerate's `prepare` (the Trainer's too), which
+    reloads its state dict to place it: an optimizer made of parts must survive that (Muon's parts once went
+    on filling a state dict that nothing counted: 0 MB measured)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    cfg = compose_cfg("model=tiny", f"optim={optim}", *FAST_STEP.get(optim, ()))
+    model = models.load_model(cfg.model, num_labels=2)
+    spec = optimizers.get(optim)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    prepared = Accelerator(cpu=True).prepare(build(spec, model, cfg))
+    if spec.needs_train_eval_mode:
+        prepared.optimizer.train()
+    lomo = hasattr(
+        prepared.optimizer, "fused_backward"
+    )  # driven by fused_backward, not by the wrapper's step
+    one_step(model, prepared.optimizer if lomo else prepared, models.vocab_size(model))
+    estimated = spec.estimate(optimizers.param_infos(model), cfg, None, model.config)
+    assert optimizer_state_size(prepared.optimizer) == estimated
 
 
 def test_distilbert_adamw_state_matches_the_quick_estimate():
@@ -225,3 +270,55 @@ def test_find_batch_size_gives_adafactor_a_larger_batch(fit_sweep):
         assert m["max_batch_peak_memory_mb"] <= 26
         assert m["predicted_max_batch_size"] > 0
     assert "largest batch that fits" in proc.stdout
+
+
+# ---- issue 17: optimizers that update inside the backward pass --------------------------------------------
+
+
+def breakdown_of_training(optim: str, backend_steps: int = 3) -> dict[str, float]:
+    """The peak breakdown of a few CPU training steps on tiny (random weights), the update driven as the
+    Accelerator loop drives it: LOMO by fused_backward, a layer-wise optimizer by its hooks, else step()."""
+    from pipeline.memory import TrainingMemory
+
+    cfg = compose_cfg("model=tiny", "model.pretrained=false", f"optim={optim}")
+    model = models.load_model(cfg.model, num_labels=2).train()
+    spec = optimizers.get(optim)
+    optimizer = spec.build(model, cfg)
+    with TrainingMemory("cpu", model, track_steps=None, breakdown_step=2) as memory:
+        for step in range(backend_steps):
+            torch.manual_seed(step)
+            ids = torch.randint(0, models.vocab_size(model), (8, 32))
+            loss = model(input_ids=ids, labels=torch.zeros(8, dtype=torch.long)).loss
+            if spec.in_backward == optimizers.LOMO:
+                optimizer.fused_backward(loss, cfg.train.lr)
+            else:
+                loss.backward()
+            if spec.in_backward:
+                memory.updated_in_backward(optimizer)
+            else:
+                optimizer.step()
+                optimizer.zero_grad()
+    assert memory.breakdown_tag == "step 2"
+    return memory.metrics()
+
+
+def test_lomo_keeps_a_small_share_of_gradients_at_the_peak():
+    """LOMO updates each parameter as its gradient arrives and frees that gradient: at the step's peak almost
+    no gradient is alive, where AdamW holds every gradient (the model's size) through its step."""
+    adamw, lomo = breakdown_of_training("adamw"), breakdown_of_training("lomo")
+    weights = adamw["peak_params_mb"]
+    assert adamw["peak_grads_mb"] == pytest.approx(weights, rel=0.01)
+    assert lomo["peak_grads_mb"] < 0.1 * adamw["peak_grads_mb"], (lomo, adamw)
+    assert lomo["peak_optimizer_mb"] == 0
+    assert lomo["peak_breakdown_mb"] < adamw["peak_breakdown_mb"] - weights  # no state, no gradients
+
+
+def test_layerwise_state_is_tracked_as_optimizer_state_at_the_peak():
+    """The per-parameter optimizers' state (behind transformers' layer-wise dummy) counts as optimizer state
+    in the breakdown, and gradients at the peak are at most the largest weight's."""
+    galore = breakdown_of_training("galore_adamw_layerwise")
+    cfg = compose_cfg("model=tiny", "model.pretrained=false")
+    model = models.load_model(cfg.model, num_labels=2)
+    largest = max(p.numel() * p.element_size() for p in model.parameters()) / MB
+    assert galore["peak_grads_mb"] <= largest * 1.001
+    assert galore["peak_optimizer_mb"] > 0.9 * galore["peak_params_mb"] * 2  # Adam moments, mostly full

@@ -1,7 +1,7 @@
 """A researcher's own optimizer, outside the package: signSGD with momentum (one buffer per parameter).
 
-    PYTHONPATH=docs/examples python -m pipeline -m optim=adamw,custom optim.target=my_optim.SignSGD \
-        model=tiny train.max_steps=2
+    PYTHONPATH=docs/examples python -m pipeline -m optim=adamw,sign_sgd \
+        'hydra.searchpath=[file://docs/examples/conf]' model=tiny train.max_steps=2
 """
 
 import torch

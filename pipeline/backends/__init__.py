@@ -110,6 +110,16 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(CHECKPOINTING_KWARGS))
 
 
+def check_device(spec, device) -> None:
+    """One line, before training, when the optimizer cannot run on this device (AdaLomo off CUDA)."""
+    import torch
+
+    if spec.needs_cuda and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"optim={spec.name} needs a CUDA device: {spec.needs_cuda}, and this job runs on {device}"
+        )
+
+
 def optimizer_step_mode(spec, device):
     """A context for the training loop: an optimizer whose step torch.compile would compile runs it eagerly
     where `spec.compiled_on` says it does not compile (CPU); nothing changes otherwise."""

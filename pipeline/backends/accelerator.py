@@ -18,11 +18,13 @@ from pipeline import distributed
 from pipeline.backends import (
     NonFiniteLoss,
     TrainOutput,
+    check_device,
     classification_metrics,
     enable_checkpointing,
     optimizer_step_mode,
     training_memory,
 )
+from pipeline.optimizers import LAYERWISE, LOMO
 
 
 def batches(loader, steps: int):
@@ -60,6 +62,36 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="e
     return {"loss": float(np.concatenate(sample_losses).mean()), **metrics}
 
 
+def schedule(cfg, optimizer, spec):
+    """transformers' get_scheduler; for a layer-wise optimizer one per parameter, stepped from the parameter's
+    hook after its optimizer, as GaLore's authors do (transformers' own layer-wise scheduler, which would do
+    the same, fails on this torch), with a constant stand-in for the loop's whole-model schedule."""
+    steps = (cfg.train.warmup_steps, cfg.train.max_steps)
+    if spec.in_backward != LAYERWISE:
+        return get_scheduler(cfg.train.lr_scheduler, optimizer, *steps)
+    per_parameter = {
+        p: get_scheduler(cfg.train.lr_scheduler, inner, *steps)
+        for p, inner in optimizer.optimizer_dict.items()
+    }
+    for p in per_parameter:
+        if p.requires_grad:  # registered after the optimizer's hook: runs after its step
+            p.register_post_accumulate_grad_hook(lambda p: per_parameter[p].step())
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def update_in_backward(accelerator, loss, optimizer, scheduler, spec) -> None:
+    """One step of an optimizer that updates inside the backward pass, driven as its authors drive it: LOMO by
+    `fused_backward(loss, lr)` (accelerate's `backward(loss, learning_rate=...)`, as the Trainer calls it, at
+    the schedule's current rate), then the schedule's step; a layer-wise optimizer by a plain backward pass,
+    each parameter's hook stepping its optimizer and its schedule. No whole-model step, and no clipping:
+    each gradient is used and freed as it arrives (the Trainer clips after backward and finds none left)."""
+    if spec.in_backward == LOMO:
+        accelerator.backward(loss, learning_rate=scheduler.get_last_lr()[0])
+        scheduler.step()
+    else:
+        accelerator.backward(loss)
+
+
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
@@ -86,10 +118,11 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         enable_checkpointing(model)
     if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
         model = accelerator.prepare(model)
+    check_device(spec, accelerator.device)
     optimizer = spec.build(model, cfg)
     if sharding == "zero1":
         optimizer = distributed.zero1(optimizer)
-    scheduler = get_scheduler(cfg.train.lr_scheduler, optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
+    scheduler = schedule(cfg, optimizer, spec)
     if sharding == "fsdp":  # the model is prepared already
         optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
             optimizer, train_loader, eval_loader, scheduler
@@ -126,12 +159,16 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
             losses.append(shared.item())
             if not math.isfinite(losses[-1]):
                 raise NonFiniteLoss(step, losses[-1])
-            accelerator.backward(loss)
-            if cfg.train.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            if spec.in_backward:
+                update_in_backward(accelerator, loss, optimizer, scheduler, spec)
+                peak.updated_in_backward(optimizer.optimizer)
+            else:
+                accelerator.backward(loss)
+                if cfg.train.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             progress.update()
             if every and step % every == 0 and step < cfg.train.max_steps:  # as the Trainer's eval_steps
                 for key, value in evaluation(

@@ -17,6 +17,7 @@ from pipeline.backends import (
     METRIC_KEYS,
     NonFiniteLoss,
     TrainOutput,
+    check_device,
     checkpointing_name,
     classification_metrics,
     optimizer_step_mode,
@@ -29,6 +30,17 @@ class StopOnNonFiniteLoss(TrainerCallback):
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(loss):
             raise NonFiniteLoss(state.global_step, loss)
+
+
+class UpdatedInBackward(TrainerCallback):
+    """Ends the peak tracker's step after the Trainer's optimizer step, for an optimizer that updates inside
+    the backward pass: accelerate's wrapper skips LOMO's step, so no optimizer step hook marks the end."""
+
+    def __init__(self, peak):
+        self.peak = peak
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.peak.updated_in_backward(getattr(optimizer, "optimizer", optimizer))
 
 
 class QuietProgress(ProgressCallback):
@@ -102,6 +114,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         },
         **optim_args,
     )
+    check_device(spec, args.device)
     trainer = Trainer(
         model=model,
         args=args,
@@ -116,6 +129,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(QuietProgress())
     with training_memory(cfg, spec, args.device, model) as peak, optimizer_step_mode(spec, args.device):
+        if spec.in_backward:
+            trainer.add_callback(UpdatedInBackward(peak))
         start = time.perf_counter()
         try:
             trainer.train()
