@@ -919,6 +919,25 @@ def build_apollo_adamw(model, cfg):
     )
 
 
+def apollo_trainer_args(cfg) -> dict:
+    """Betas and eps (the projected group's), the target modules and APOLLO's group settings (optim_args)."""
+    return {
+        **adam_args(cfg),
+        "optim_target_modules": list(cfg.optim.target_modules),
+        "optim_args": optim_args(**{k: cfg.optim[k] for k in APOLLO_GROUP_KEYS}),
+    }
+
+
+# the Trainer's apollo paths pass betas and eps to the projected group only, and none of the others
+APOLLO_TRAINER_FIXED = {
+    "betas": [0.9, 0.999],
+    "eps": 1e-6,
+    "correct_bias": True,
+    "scale_front": False,
+    "disable_nl": False,
+}
+
+
 def estimate_apollo_adamw(params, cfg, variant=None, model_config=None) -> StateSize:
     """Every parameter: an int `seed` (set at construction) and `step`. Projected weights (m x n, random
     projection, proj_type std, r = optim.rank, not capped): the projector's (r x n) matrix when m >= n else
@@ -984,23 +1003,19 @@ def estimate_adalomo(params, cfg, variant=None, model_config=None) -> StateSize:
     return total(size((p.shape[0] + p.shape[1] if len(p.shape) > 1 else p.numel, FP32)) for p in params)
 
 
-def build_galore_adamw_layerwise(model, cfg):
-    """The Trainer's optim="galore_adamw_layerwise": one GaLoreAdamW per parameter (the projected weights with
-    GaLore's group settings), each stepped and its gradient freed from that parameter's post-accumulate-grad
-    hook, behind transformers' LayerWiseDummyOptimizer (whose step and zero_grad do nothing); the Trainer's
-    per-parameter optimizers get the rate alone (galore-torch's betas, eps, bias correction: trainer_fixed)."""
-    from galore_torch import GaLoreAdamW
+def build_layerwise(model, cfg, make, projected: dict):
+    """The Trainer's layer-wise optimizers (its `_setup_low_rank_optimizer`): one optimizer per parameter,
+    `make(groups)`, in its order (the other parameters, then the projected weights, whose group adds
+    `projected`), each stepped and its gradient freed from that parameter's post-accumulate-grad hook, behind
+    transformers' LayerWiseDummyOptimizer (whose step and zero_grad do nothing)."""
     from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
 
     targets = galore_targets(model, cfg)
-    o = cfg.optim
-    kwargs = {"lr": learning_rate(cfg), "betas": tuple(o.betas), "eps": o.eps, "correct_bias": o.correct_bias}
     named = list(model.named_parameters())
-    # the Trainer's order: the other parameters, then the projected weights (with GaLore's group settings)
-    optimizer_dict = {p: GaLoreAdamW([{"params": [p]}], **kwargs) for n, p in named if n not in targets}
+    optimizer_dict = {p: make([{"params": [p]}]) for n, p in named if n not in targets}
     for n, p in named:
         if n in targets:
-            optimizer_dict[p] = GaLoreAdamW([{"params": [p], **galore_kwargs(cfg)}], **kwargs)
+            optimizer_dict[p] = make([{"params": [p], **projected}])
 
     def optimizer_hook(p):
         if p.grad is not None:
@@ -1011,6 +1026,43 @@ def build_galore_adamw_layerwise(model, cfg):
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(optimizer_hook)
     return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=learning_rate(cfg))
+
+
+def build_galore_adamw_layerwise(model, cfg):
+    """optim="galore_adamw_layerwise": a GaLoreAdamW per parameter; the Trainer's get the rate alone
+    (galore-torch's betas, eps, bias correction: trainer_fixed)."""
+    from galore_torch import GaLoreAdamW
+
+    o = cfg.optim
+    kwargs = {"lr": learning_rate(cfg), "betas": tuple(o.betas), "eps": o.eps, "correct_bias": o.correct_bias}
+    return build_layerwise(model, cfg, lambda groups: GaLoreAdamW(groups, **kwargs), galore_kwargs(cfg))
+
+
+def build_galore_adafactor_layerwise(model, cfg):
+    """A GaLoreAdafactor per parameter with galore_adafactor's settings. The Trainer's own
+    optim="galore_adafactor_layerwise" cannot build it (transformers 5.24 passes the rate alone, which
+    GaLoreAdafactor's default relative_step=True refuses): the Trainer is handed this object."""
+    from galore_torch import GaLoreAdafactor
+
+    return build_layerwise(
+        model, cfg, lambda groups: adafactor_built(GaLoreAdafactor, groups, cfg), galore_kwargs(cfg)
+    )
+
+
+def build_apollo_adamw_layerwise(model, cfg):
+    """optim="apollo_adamw_layerwise": an APOLLOAdamW per parameter; the Trainer's get the rate alone
+    (apollo-torch's defaults: trainer_fixed), the projected weights' group APOLLO's settings, betas and eps."""
+    from apollo_torch import APOLLOAdamW
+
+    o = cfg.optim
+    kwargs = {k: o[k] for k in ("eps", "correct_bias", "scale_front", "disable_nl")}
+    projected = {**{k: o[k] for k in APOLLO_GROUP_KEYS}, "betas": tuple(o.betas), "eps": o.eps}
+    return build_layerwise(
+        model,
+        cfg,
+        lambda groups: APOLLOAdamW(groups, lr=learning_rate(cfg), betas=tuple(o.betas), **kwargs),
+        projected,
+    )
 
 
 def galore_layerwise_trainer_args(cfg) -> dict:
@@ -1325,19 +1377,9 @@ REGISTRY: dict[str, OptimizerSpec] = {
             build_apollo_adamw,
             estimate_apollo_adamw,
             "apollo_adamw",
-            lambda cfg: {
-                **adam_args(cfg),
-                "optim_target_modules": list(cfg.optim.target_modules),
-                "optim_args": optim_args(**{k: cfg.optim[k] for k in APOLLO_GROUP_KEYS}),
-            },
+            apollo_trainer_args,
             # its path puts betas and eps in the projected group only, and passes none of the others
-            trainer_fixed={
-                "betas": [0.9, 0.999],
-                "eps": 1e-6,
-                "correct_bias": True,
-                "scale_front": False,
-                "disable_nl": False,
-            },
+            trainer_fixed=APOLLO_TRAINER_FIXED,
             requires=("apollo_torch",),
             step_temporaries=(2, 0),
         ),
@@ -1360,6 +1402,27 @@ REGISTRY: dict[str, OptimizerSpec] = {
             # its path gives each per-parameter optimizer the rate alone: galore-torch's defaults
             trainer_fixed={"betas": [0.9, 0.999], "eps": 1e-6, "correct_bias": True},
             requires=("galore_torch",),
+            in_backward=LAYERWISE,
+        ),
+        OptimizerSpec(
+            "galore_adafactor_layerwise",
+            build_galore_adafactor_layerwise,
+            estimate_galore_adafactor,  # per parameter the same state as galore_adafactor's
+            # no Trainer string: its own path raises (GaLoreAdafactor refuses the rate it is given beside
+            # relative_step=True, its default); the Trainer is handed the object
+            requires=("galore_torch",),
+            in_backward=LAYERWISE,
+        ),
+        OptimizerSpec(
+            "apollo_adamw_layerwise",
+            build_apollo_adamw_layerwise,
+            estimate_apollo_adamw,  # per parameter the same state as apollo_adamw's
+            "apollo_adamw_layerwise",
+            apollo_trainer_args,
+            # its path gives each per-parameter optimizer the rate alone: apollo-torch's defaults, and betas
+            # and eps in the projected weights' group (as apollo_adamw's)
+            trainer_fixed=APOLLO_TRAINER_FIXED,
+            requires=("apollo_torch",),
             in_backward=LAYERWISE,
         ),
         # issue 17: the rest of the Trainer's optim= strings that run here (paging needs CUDA: on CPU

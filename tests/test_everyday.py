@@ -232,6 +232,8 @@ OPTIMIZER_CLASS = {
     "lomo": "lomo_optim.Lomo",
     "adalomo": "lomo_optim.AdaLomo",
     "galore_adamw_layerwise": "galore_torch.GaLoreAdamW",
+    "galore_adafactor_layerwise": "galore_torch.GaLoreAdafactor",
+    "apollo_adamw_layerwise": "apollo_torch.APOLLOAdamW",
 }
 # where a config deliberately differs from the constructor's own default (and why)
 NOT_THE_CONSTRUCTORS = {
@@ -241,6 +243,8 @@ NOT_THE_CONSTRUCTORS = {
     ("adamw_torchao_4bit", "block_size"): 256,  # what the Trainer passes
     ("galore_adafactor", "scale_parameter"): False,  # as adafactor's: the Trainer's settings
     ("galore_adafactor", "relative_step"): False,
+    ("galore_adafactor_layerwise", "scale_parameter"): False,  # (galore_adafactor's settings)
+    ("galore_adafactor_layerwise", "relative_step"): False,
 }
 NOT_CONSTRUCTOR_ARGUMENTS = {"target_modules", "rank", "update_proj_gap", "scale", "proj_type", "names"}
 NOT_CONSTRUCTOR_ARGUMENTS |= {"proj", "scale_type", "adamw_names"}  # APOLLO's group settings; Muon's head

@@ -197,6 +197,7 @@ META_FAILS = {
     "paged_adamw_8bit": "cget_managed_ptr",  # allocates paged memory (CUDA)
     **dict.fromkeys(["paged_adamw_32bit", "paged_lion_8bit", "paged_lion_32bit"], "cget_managed_ptr"),
     "apollo_adamw": "META device type",  # draws its projection from a torch.Generator on the weight's device
+    "apollo_adamw_layerwise": "META device type",  # (the same, per parameter)
     "adalomo": r"allocates its state with \.cuda\(\)",  # on the GPU, whatever its parameters' device
 }
 
@@ -287,7 +288,13 @@ def test_galore_state_with_16_bit_weights():
 
 # ---- issue 17: optimizers that update inside the backward pass (LOMO, AdaLomo, layer-wise GaLore) ----------
 
-IN_BACKWARD = ["lomo", "adalomo", "galore_adamw_layerwise"]
+IN_BACKWARD = [
+    "lomo",
+    "adalomo",
+    "galore_adamw_layerwise",
+    "galore_adafactor_layerwise",
+    "apollo_adamw_layerwise",
+]
 
 
 # fp32 on tiny and distilbert: tests/test_memory.py's registry-wide test; here both precisions on both models
