@@ -16,7 +16,7 @@ def close_ended_sweeps(folder: Path) -> list[str]:
     """Close the parent run of each sweep under `folder` that ended while its outcomes waited (and none waits
     now), as the sweep itself would have; the parent run ids closed."""
     closed = []
-    for path in sorted({*folder.glob(sweep.SWEEP_FILE), *folder.glob(f"**/{sweep.SWEEP_FILE}")}):
+    for path in sorted(folder.glob(f"**/{sweep.SWEEP_FILE}")):  # (the folder itself included)
         ids = sweep.sweep_ids(path.parent)
         if not ids.get("ended") or journal.waiting(path.parent):
             continue
