@@ -55,6 +55,8 @@ def test_each_optimizer_trains_at_its_reference_rate_times_lr_scale():
     assert learning_rate(compose_cfg("optim=sgd", "train.lr=1e-3", "train.lr_scale=0.1")) == pytest.approx(
         1e-4
     )
+    # the rate as a user writes it, not the float product (5e-5 * 3.16 = 0.00015800000000000002)
+    assert str(learning_rate(compose_cfg("train.lr=5e-5", "train.lr_scale=3.16"))) == "0.000158"
     # a point is its resolved config: another rate is another point; lr_scale=1 is the point without it
     assert config_hash(scaled) != config_hash(sgd)
     assert config_hash(compose_cfg("optim=sgd", "train.lr_scale=1")) == config_hash(sgd)
