@@ -27,7 +27,7 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table
+.PHONY: install run report test test-slow test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table
 
 install: $(VENV)/.installed
 
@@ -56,6 +56,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
+
+# the matrix rows CI leaves out (every optimizer on distilbert-base-cased, both precisions): about 3 min
+test-matrix: install
+	$(BIN)/python -m pytest -m matrix -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU machine: the gpu-marked tests, a short real sweep and its report, then one summary table (printed,
 # in outputs/gpu-check/<time>/summary.md and in docs/gpu.md); each step runs even when one before it failed.

@@ -42,6 +42,17 @@ def selects_gpu_tests(markexpr: str) -> bool:
     return bool(markexpr) and Expression.compile(markexpr).evaluate(lambda mark: mark == "gpu")
 
 
+def ci_sample(values, sample, mark=None) -> list:
+    """A matrix axis for pytest.mark.parametrize: the values in `sample` run in CI (with `mark`, e.g.
+    pytest.mark.slow, when given), every other one is marked `matrix`, which `make test` and `make test-slow`
+    leave out and `make test-matrix` runs."""
+    assert set(sample) <= set(values), set(sample) - set(values)
+    return [
+        pytest.param(v, marks=(() if mark is None else mark) if v in sample else pytest.mark.matrix)
+        for v in values
+    ]
+
+
 # a tiny job: small model, few samples, few steps
 TINY = ["model=tiny", "data.max_train_samples=64", "data.max_eval_samples=32", "train.max_steps=3"]
 
