@@ -78,9 +78,12 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_p
 
 def prediction(cfg, spec, model, names, exclude_mb: float, largest_batch: tuple, measured_mb: float) -> dict:
     """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors) for the largest
-    batch, beside the measured one; `exclude_mb` of the state is not on the device (paged). Not under FSDP."""
+    batch, beside the measured one; `exclude_mb` of the state is not on the device (paged). Not under FSDP, nor
+    for an optimizer that updates inside the backward pass (the plan steps once over all gradients)."""
     if len(largest_batch) != 2 or cfg.train.sharding == "fsdp":
         return {}
+    if spec.in_backward:
+        return {"prediction_method": "none: the optimizer updates inside the backward pass"}
     from pipeline import plan
 
     cuda = next(model.parameters()).device.type == "cuda"

@@ -397,6 +397,9 @@ def test_in_backward_optimizers_on_both_backends(tmp_path):
         assert run.data.tags["peak_breakdown"] == "step 2", (optim, backend)
         assert m["optimizer_state_mb"] == m["estimated_optimizer_state_mb"], (optim, backend)
         assert m["optimizer_state_mb"] == runs[optim, "trainer"].data.metrics["optimizer_state_mb"]
+        # the plan's step over all gradients is not theirs: no prediction, a tag saying why
+        assert ("predicted_peak_mb" in m) == (optim == "adamw"), (optim, backend)
+        assert run.data.tags["prediction_method"].startswith("none:") == (optim != "adamw")
     for backend in ("trainer", "accelerator"):
         adamw, lomo = (runs[o, backend].data.metrics for o in ("adamw", "lomo"))
         assert lomo["peak_grads_mb"] < 0.1 * adamw["peak_grads_mb"], backend
