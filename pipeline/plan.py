@@ -317,6 +317,9 @@ def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool
     extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
     step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
     amount too."""
+    if spec.compiles_step:  # torchao: dynamo would see the tracker (a dispatch mode), skip the step's function
+        # and mark it never to be compiled in this process, so a later job's compiled step would fail
+        return None, "forward/backward simulated; optimizer step analytic (compiled step)"
     try:
         shallow = _shallow_pair(model_config)
         if shallow is None:
@@ -325,7 +328,7 @@ def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool
             a, b = (_optimizer_step(c, precision, checkpointing, spec, cfg, cuda) for c in shallow)
             at_peak = _to_depth(a, b, model_config.num_hidden_layers)
         return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
-    except Exception as err:  # a kernel that needs real data (bitsandbytes, torchao's compiled step)
+    except Exception as err:  # a kernel that needs real data (bitsandbytes)
         return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
 
 

@@ -2,6 +2,7 @@
 largest batch that fits, the report's plan table, and a sample of the accuracy matrix (`make plan-accuracy`)."""
 
 import pytest
+import torch
 
 from pipeline import MB, models, optimizers, plan
 from tests.conftest import compose_cfg, run_cli, sweep_runs
@@ -68,6 +69,23 @@ def test_the_largest_batch_is_the_last_that_fits(monkeypatch):
         n = plan.largest_batch(found, budget)
         assert n > 0 and direct(monkeypatch, config, spec, cfg, n)["peak"] <= budget, budget
         assert direct(monkeypatch, config, spec, cfg, n + 1)["peak"] > budget, budget
+
+
+def test_planning_a_compiled_step_leaves_it_compilable():
+    """torchao's step is compiled: the plan takes it as analytic without running it under the simulation's
+    tracker, where dynamo would mark the step's function never to be compiled again in this process (a later
+    job there, or a CUDA run, would fail with "torch.compile with fullgraph=True found no compiled frames")."""
+    cfg = compose_cfg("model=tiny", "optim=adamw_torchao_8bit")
+    spec, config = optimizers.get("adamw_torchao_8bit"), models.model_config(cfg.model, 2)
+    for cuda in (False, True):
+        assert plan.simulate(config, spec, cfg, 4, 64, cuda=cuda)["method"].endswith("analytic (compiled step)")
+    from torchao.optim import AdamW8bit
+
+    weight = torch.nn.Parameter(torch.randn(256, 256))
+    weight.grad = torch.randn_like(weight)
+    optimizer = AdamW8bit([weight])
+    optimizer.step()  # compiled (fullgraph)
+    assert len(optimizer.state[weight]) == 3  # step, exp_avg, exp_avg_sq
 
 
 def test_a_cuda_target_runs_torch_adamw_foreach():
