@@ -317,8 +317,9 @@ def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool
     extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
     step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
     amount too."""
-    if spec.compiles_step:  # torchao: dynamo would see the tracker (a dispatch mode), skip the step's function
-        # and mark it never to be compiled in this process, so a later job's compiled step would fail
+    # torchao's step is compiled: run under the tracker (a dispatch mode), dynamo would skip its function and
+    # mark it never to be compiled again in this process, so a later job's compiled step would fail
+    if spec.compiles_step:
         return None, "forward/backward simulated; optimizer step analytic (compiled step)"
     try:
         shallow = _shallow_pair(model_config)

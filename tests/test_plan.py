@@ -78,7 +78,9 @@ def test_planning_a_compiled_step_leaves_it_compilable():
     cfg = compose_cfg("model=tiny", "optim=adamw_torchao_8bit")
     spec, config = optimizers.get("adamw_torchao_8bit"), models.model_config(cfg.model, 2)
     for cuda in (False, True):
-        assert plan.simulate(config, spec, cfg, 4, 64, cuda=cuda)["method"].endswith("analytic (compiled step)")
+        assert plan.simulate(config, spec, cfg, 4, 64, cuda=cuda)["method"].endswith(
+            "analytic (compiled step)"
+        )
     from torchao.optim import AdamW8bit
 
     weight = torch.nn.Parameter(torch.randn(256, 256))
