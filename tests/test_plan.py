@@ -73,8 +73,9 @@ def test_the_largest_batch_is_the_last_that_fits(monkeypatch):
 
 def test_planning_a_compiled_step_leaves_it_compilable():
     """torchao's step is compiled: the plan takes it as analytic without running it under the simulation's
-    tracker, where dynamo would mark the step's function never to be compiled again in this process (a later
-    job there, or a CUDA run, would fail with "torch.compile with fullgraph=True found no compiled frames")."""
+    tracker, where dynamo would mark the step's function never to be compiled again in this process: a
+    find_batch_size=true job plans before it trains, and its compiled CUDA step would fail ("torch.compile with
+    fullgraph=True found no compiled frames")."""
     cfg = compose_cfg("model=tiny", "optim=adamw_torchao_8bit")
     spec, config = optimizers.get("adamw_torchao_8bit"), models.model_config(cfg.model, 2)
     for cuda in (False, True):
