@@ -318,7 +318,7 @@ def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool
     step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
     amount too."""
     # torchao's step is compiled: run under the tracker (a dispatch mode), dynamo would skip its function and
-    # mark it never to be compiled again in this process, so a later job's compiled step would fail
+    # mark it never to be compiled again in this process, where find_batch_size=true then trains
     if spec.compiles_step:
         return None, "forward/backward simulated; optimizer step analytic (compiled step)"
     try:
