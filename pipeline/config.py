@@ -19,6 +19,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from pipeline.data import FILE_BUILDERS, PACKAGED
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
+from pipeline.starter import MODES as START_MODES
 
 BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
@@ -275,6 +276,10 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     for key, names in CHOICES.items():
         yield partial(_check_choice, cfg, key, names)
     yield partial(_check_choice, cfg, "log_level", LOG_LEVELS)
+    if (
+        OmegaConf.select(cfg, "launcher.start_jobs") is not None
+    ):  # (a scheduler's launcher starts jobs itself)
+        yield partial(_check_choice, cfg, "launcher.start_jobs", START_MODES)
     yield partial(_check_packages, cfg)
     yield partial(_check_custom_optimizer, cfg)
     for key in POSITIVE_INTS:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import cache
 
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -204,6 +208,60 @@ def dataset_inputs(splits: Splits, cfg: DictConfig) -> list[dict]:
     ]
 
 
+def source_stamp(cfg: DictConfig) -> list | None:
+    """The local files the splits are read from, stamped (cache.file_stamp); None for a dataset on the hub
+    (datasets keeps its own cache of downloads)."""
+    if cfg.loader in PACKAGED_FILES:
+        return cache.file_stamp(packaged_path(cfg.loader))
+    if cfg.loader == "files":
+        return [cache.file_stamp(cfg.train_file), cache.file_stamp(cfg.eval_file)]
+    if cfg.loader == "hub" and Path(cfg.path).exists():
+        return cache.file_stamp(cfg.path)
+    return None
+
+
+MANIFEST = "splits.json"  # in a cached splits folder: the class names and the splits' dataset inputs
+
+
+def read_splits(cfg: DictConfig, outputs_dir) -> Splits:
+    """`load_splits` with the splits' dataset inputs, read from local files once per sweep: the splits as read
+    are kept as datasets' Arrow files under <outputs_dir>/cache/splits/<key>, the key made of the data config,
+    the files' sizes and modification times, the datasets version and the pipeline's code (pipeline.cache).
+    Every job gets them from there, memory-mapped, so that `tokenize` keeps its result beside them too."""
+    import datasets
+
+    stamp = source_stamp(cfg)
+    if stamp is None:
+        splits = load_splits(cfg)
+        splits.inputs = dataset_inputs(splits, cfg)
+        return splits
+    where = cache.folder(outputs_dir, "splits") / cache.key(
+        OmegaConf.to_container(cfg, resolve=True), stamp, datasets.__version__
+    )
+    if not (where / MANIFEST).exists():
+        splits = load_splits(cfg)
+        parts = {"train": splits.train, "eval": splits.eval, "val": splits.val}
+        tmp = where.with_name(f".{where.name}.{os.getpid()}")
+        shown = not datasets.utils.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # (a cache's bookkeeping: no bar of its own on the console)
+        try:
+            datasets.DatasetDict({k: v for k, v in parts.items() if v is not None}).save_to_disk(str(tmp))
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
+        manifest = {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
+        cache.write_json(tmp / MANIFEST, manifest)
+        try:
+            tmp.rename(where)
+        except OSError:  # another job kept the same splits first
+            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = cache.read_json(where / MANIFEST)
+    parts = datasets.load_from_disk(str(where))
+    return Splits(
+        parts["train"], parts["eval"], manifest["label_names"], parts.get("val"), manifest["inputs"]
+    )
+
+
 def _first(ds, limit: int | None):
     """The first `limit` rows of a split (all when limit is null; None stays None)."""
     return ds if ds is None or not limit else ds.select(range(min(limit, len(ds))))
@@ -228,7 +286,10 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
     def run(ds):
         # the fingerprint named here, from what the output depends on: `datasets` would otherwise hash the
         # tokenizer through `encode` (about a second per job)
+        # (and the tokenizer's files: a cached result never outlives an edited or reinstalled tokenizer)
         what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}"
+        if Path(tokenizer.name_or_path).is_dir():
+            what += json.dumps(cache.file_stamp(tokenizer.name_or_path))
         fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
         return ds.map(
             encode,

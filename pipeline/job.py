@@ -29,8 +29,7 @@ def load(cfg: DictConfig):
     from pipeline import data, models
 
     tokenizer = models.load_tokenizer(cfg.model)
-    splits = data.load_splits(cfg.data)
-    splits.inputs = data.dataset_inputs(splits, cfg.data)  # the splits as read, before tokenizing
+    splits = data.read_splits(cfg.data, cfg.outputs_dir)  # (their `inputs`: the splits as read, for MLflow)
     model = models.load_model(cfg.model, splits.num_labels, splits.label_names)
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.train.precision == "bf16_pure":

@@ -129,7 +129,8 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     status = "FAILED" if failure else "FINISHED"
     if tracker.status(run_id) == "RUNNING":
         stamp = entry_["end_time"]
-        tracker.log(run_id, params=entry_["params"], timestamp=stamp)
+        # (the tags the run opened with, and those known only once the job ran: how its process started)
+        tracker.log(run_id, params=entry_["params"], tags=entry_["tags"], timestamp=stamp)
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         if failure is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())

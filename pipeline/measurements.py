@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from pipeline import StateSize, distributed, optimizers
 from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
@@ -84,17 +85,43 @@ def prediction(cfg, spec, model, names, exclude_mb: float, largest_batch: tuple,
         return {}
     if spec.in_backward:
         return {"prediction_method": "none: the optimizer updates inside the backward pass"}
-    from pipeline import plan
-
     cuda = next(model.parameters()).device.type == "cuda"
-    figures = plan.simulate(model.config, spec, cfg, *largest_batch, cuda=cuda, names=names)
+    figures = simulated_step(cfg, spec, model.config, largest_batch, cuda, names)
     peak = figures["peak"] - exclude_mb
     return {
         "predicted_peak_mb": peak,
-        "predicted_activations_mb": figures["parts"]["activations"],
+        "predicted_activations_mb": figures["activations"],
         "predicted_peak_error_pct": 100 * (peak / measured_mb - 1),
         "prediction_method": figures["method"],  # a tag
     }
+
+
+# what the simulated step does not depend on: the seed, the data (their shapes are the batch's; the number of
+# classes is the model config's), evaluation, and where and how the job runs
+NOT_IN_PLAN = ("seed", "data", "eval", "tracking", "outputs_dir", "force", "log_level", "launcher", "hydra")
+NOT_IN_PLAN += ("memory_track_steps", "memory_budget_mb", "find_batch_size", "plan", "device_memory")
+
+
+def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> dict:
+    """The plan's peak, activations and method for this step (pipeline.plan.simulate), simulated once per sweep
+    point and kept under <outputs_dir>/cache/plan (pipeline.cache): the seeds of a point share it."""
+    from pipeline import cache
+
+    point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
+    inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names)]
+    path = cache.folder(cfg.outputs_dir, "plan") / f"{cache.key(*inputs, library_versions())}.json"
+    figures = cache.read_json(path)
+    if figures is None:
+        from pipeline import plan
+
+        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names)
+        figures = {
+            "peak": found["peak"],
+            "activations": found["parts"]["activations"],
+            "method": found["method"],
+        }
+        cache.write_json(path, figures)
+    return figures
 
 
 def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:

@@ -470,8 +470,6 @@ class TrainingMemory:
         else:
             self.cuda = PeakMemory(self.device, budget_mb=self.budget_mb).__enter__()
         self._handles = [
-            # global hooks run before a module's own, and this one before MemTracker's (registered later)
-            register_module_forward_pre_hook(self._before_any_forward),
             self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             register_optimizer_step_pre_hook(self._before_optimizer_step),
             register_optimizer_step_post_hook(self._after_optimizer_step),
@@ -497,6 +495,8 @@ class TrainingMemory:
     def _before_forward(self, module, args, kwargs) -> None:
         if not module.training:
             return
+        if self._step_open:  # the step before ended without an optimizer step (the grad scaler skipped it)
+            self._end_step(stepped=False)
         self._step_open = True
         self.step += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -567,10 +567,15 @@ class TrainingMemory:
         self._quiet.__enter__()
         warnings.filterwarnings("ignore", message="Module is None")
         self._breakdown_from = self.step + 1  # the step it sees whole
+        # a global hook, only while the breakdown runs (it puts every module's call on torch's hooked path):
+        # global hooks run before a module's own, and this one before MemTracker's (registered next), so a step
+        # whose optimizer step the grad scaler skipped ends before MemTracker sees the model's forward again
+        self._any_forward = register_module_forward_pre_hook(self._before_any_forward)
         self.breakdown.__enter__()
 
     def _stop_breakdown(self, stepped: bool) -> None:
         self.breakdown.__exit__(None, None, None)
+        self._any_forward.remove()
         self._quiet.__exit__(None, None, None)
         if self.step == self._breakdown_from:  # the whole step ran under it
             self.breakdown_metrics = self.breakdown.metrics()

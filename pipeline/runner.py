@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -105,19 +104,15 @@ class Failure:
         return f"{self.reason}: {self.summary}"
 
 
-def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> Failure | None:
-    """Run the job in fresh process(es); None on success. An exception here (Ctrl-C) kills the job."""
+def job_env(cfg: DictConfig, ranks: dict) -> dict[str, str]:
+    """The environment of a job's process(es), less its GPUs (the sweep's pool hands them out per job)."""
     from pipeline import placement, quiet
 
-    try:
-        level = quiet.log_level(cfg)  # the job's console (pipeline.quiet)
-    except ValueError as err:  # a bad value: this point fails, the sweep goes on
-        return Failure("config", f"ConfigError: {err}")
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps; what
     # the environment sets wins
     env = {
         "TORCHINDUCTOR_CACHE_DIR": str(Path(cfg.outputs_dir).resolve() / "cache" / "torchinductor"),
-        **quiet.job_env(level),
+        **quiet.job_env(quiet.log_level(cfg)),
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",
         **ranks,
@@ -125,22 +120,55 @@ def run_job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict)
     n_jobs, nproc = cfg.launcher.n_jobs, cfg.launcher.nproc_per_job
     if n_jobs > 1 or nproc > 1:  # jobs side by side split the cores instead of fighting over them
         env["OMP_NUM_THREADS"] = str(placement.cpu_threads(n_jobs, nproc))
+    return env
+
+
+def starts_warm(cfg: DictConfig, ranks: dict) -> bool:
+    """A job forked from the warm starter (pipeline.starter): one process, started by this process."""
+    return (
+        OmegaConf.select(cfg, "launcher.start_jobs", default="cold") == "warm"
+        and cfg.launcher.nproc_per_job == 1
+        and not ranks
+        and not cfg.get("plan")
+    )
+
+
+def prestart(cfg: DictConfig) -> None:
+    """Start this process's warm starter now, if its jobs will start warm (pipeline.starter)."""
+    from pipeline import starter
+
+    ranks = scheduler_ranks(cfg)
+    if starts_warm(cfg, ranks):
+        with contextlib.suppress(ValueError):  # a bad log_level: the job's own start says it
+            starter.prestart(job_env(cfg, ranks))
+
+
+def run_job_process(
+    cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict
+) -> tuple[Failure | None, str]:
+    """Run the job in fresh process(es): (None on success, else its failure; how it started: `warm` or `cold`,
+    pipeline.starter). An exception here (Ctrl-C) kills the job."""
+    from pipeline import placement, starter
+
+    try:
+        env = job_env(cfg, ranks)  # the job's console (pipeline.quiet)
+    except ValueError as err:  # a bad value: this point fails, the sweep goes on
+        return Failure("config", f"ConfigError: {err}"), "cold"
+    nproc = cfg.launcher.nproc_per_job
     command = placement.job_command(job_dir, nproc, bool(ranks))
     gpus = [] if cfg.launcher.name in placement.SCHEDULED else placement.visible_gpus()
     if gpus and nproc > len(gpus):  # a bad value for this machine: this point fails, the sweep goes on
-        return Failure("config", f"ConfigError: {placement.too_few_gpus(nproc, gpus)}")
+        return Failure("config", f"ConfigError: {placement.too_few_gpus(nproc, gpus)}"), "cold"
     with placement.GpuPool(pool_dir, gpus).take(nproc) if gpus else contextlib.nullcontext() as devices:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             print(f"[job] {job_dir.name}: GPU {env['CUDA_VISIBLE_DEVICES']}", flush=True)
-        # its own session: a kill reaches torchrun's ranks too, not only torchrun
-        proc = subprocess.Popen(command, env=env, start_new_session=True)
-        try:
-            returncode = proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+        returncode, start = starter.run(job_dir, env, command, starts_warm(cfg, ranks))
+    return exit_failure(job_dir, returncode), start
+
+
+def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
+    """What a job process's exit status and its folder say: None when it finished."""
     if returncode == 0:
         return None
     if (job_dir / FAILURE_FILE).exists():
@@ -218,7 +246,7 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
     except ConfigError:
         return Outcome(name, "FAILED", reason="config: recorded by rank 0")
     save_config(cfg, job_dir)
-    failure = run_job_process(cfg, job_dir, pool_dir, ranks)
+    failure, _ = run_job_process(cfg, job_dir, pool_dir, ranks)
     if failure is not None:
         print(f"[job] rank {ranks['RANK']} failed: {failure.summary}", file=sys.stderr, flush=True)
         return Outcome(name, "FAILED", reason=failure.line)
@@ -259,6 +287,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
 
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
+    prestart(cfg)  # the starter imports the libraries while this process opens the store
     try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
         tracker = Tracker.for_config(cfg)
         experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id(cfg.tracking.experiment)
@@ -312,7 +341,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             if result is not None:
                 (job_dir / RESULT_FILE).write_text(json.dumps(result))
         elif failure is None:
-            failure = run_job_process(cfg, job_dir, pool_dir, ranks)
+            failure, tags["job_start"] = run_job_process(cfg, job_dir, pool_dir, ranks)
         if failure is not None:
             (job_dir / ERROR_FILE).write_text(failure.text)
         journal.write(

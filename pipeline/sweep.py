@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import browse, journal
+from pipeline import browse, journal, runner
 from pipeline.runner import SKIPPED_FILE, Outcome
 from pipeline.tracking import StoreError, Tracker
 
@@ -205,6 +205,8 @@ class SweepCallback(Callback):
         claim_sweep_dir(config)  # another sweep started in the same second has its own folder
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        if OmegaConf.select(config, "launcher.name") == "local":  # its jobs start from this process
+            runner.prestart(config)  # the job starter imports while this process opens the store
         try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
             tracker = Tracker.for_config(config)
             experiment_id = tracker.experiment_id(config.tracking.experiment)

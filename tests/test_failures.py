@@ -136,15 +136,20 @@ def start_sweep(tmp_path, *args):
     )
 
 
+def children(pid: int, pattern: str = ".") -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid), "-f", pattern], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
 def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
-    """pid of the sweep's running `pipeline.job` child."""
+    """pid of the sweep's running job process: a `pipeline.job` child started cold, or a child of the
+    sweep's job starter (the forkserver, pipeline.starter) started warm."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        found = subprocess.run(
-            ["pgrep", "-P", str(sweep.pid), "-f", "pipeline.job"], capture_output=True, text=True
-        )
-        if found.stdout.strip():
-            return int(found.stdout.split()[0])
+        cold = children(sweep.pid, "-m pipeline.job")
+        warm = [job for starter in children(sweep.pid, "forkserver") for job in children(starter)]
+        if cold or warm:
+            return (cold or warm)[0]
         time.sleep(0.2)
     raise TimeoutError("no job process appeared")
 

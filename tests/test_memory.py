@@ -253,6 +253,38 @@ def test_training_memory_tracks_the_largest_batch_after_its_window():
     assert memory.metrics()["peak_breakdown_mb"] > 0
 
 
+@pytest.mark.parametrize("skipped", [2, 3])
+def test_training_memory_hooks_every_module_only_during_its_breakdown(skipped):
+    """A global module hook puts every submodule's call on torch's slower hooked path: TrainingMemory holds one
+    only while its breakdown step runs (where it ends a step whose optimizer step was skipped, as the fp16 grad
+    scaler does, before MemTracker sees the next forward). A skipped step ends at the next one's start, inside
+    the breakdown (step 2) or outside it (step 3)."""
+    from torch.nn.modules import module as nn_module
+
+    from pipeline.memory import TrainingMemory
+
+    cfg = compose_cfg("model=tiny")
+    model = models.load_model(cfg.model, num_labels=2).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked = []
+    with TrainingMemory("cpu", model, track_steps=1, breakdown_step=2) as memory:
+        for step in range(1, 5):
+            hooked.append(memory._before_any_forward in nn_module._global_forward_pre_hooks.values())
+            model(
+                input_ids=torch.ones(4, 8, dtype=torch.long), labels=torch.zeros(4, dtype=torch.long)
+            ).loss.backward()
+            if step != skipped:
+                optimizer.step()
+            optimizer.zero_grad()
+    # (a step skipped inside the breakdown keeps it open until the next step's forward ends it)
+    assert hooked == [False, True, skipped == 2, False]
+    assert not nn_module._global_forward_pre_hooks
+    assert memory.step == 4 and memory.optimizer_steps == 3
+    label = "step 2" + (" (its optimizer step was skipped by the grad scaler)" if skipped == 2 else "")
+    assert memory.breakdown_label == label
+    assert memory.metrics()["peak_breakdown_mb"] > 0
+
+
 def test_largest_fitting_doubles_then_bisects():
     from pipeline.batch_size import largest_fitting
 

@@ -1,0 +1,61 @@
+"""Work done once per sweep, not once per job: results kept on disk under `<outputs_dir>/cache/<kind>/`, each
+under a key made of everything that determines it: the inputs, the library versions and the pipeline's own
+source, so that an entry made by other code or from other inputs is never found, and is computed anew.
+
+What is kept (docs/sweeps.md): `splits/` the data splits as read and their tokenized forms (datasets' Arrow
+files), `plan/` the simulated step behind a job's `predicted_peak_mb`; beside them `torchinductor/` (compiled
+optimizer steps) and `cpu_peak_flops.json`. `rm -rf outputs/cache` clears it all; nothing is lost but time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the pipeline's own source: an entry made by other code is never reused."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def key(*inputs) -> str:
+    """The name of the entry for these inputs (anything JSON can write) under this code."""
+    text = json.dumps([code_digest(), *inputs], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def folder(outputs_dir, kind: str) -> Path:
+    return Path(outputs_dir).resolve() / "cache" / kind
+
+
+def file_stamp(path) -> list:
+    """What tells a file (or every file of a folder) apart from an edited one: path, size, modification time."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [[str(p), (s := p.stat()).st_size, s.st_mtime_ns] for p in files]
+
+
+def read_json(path: Path):
+    """The entry at `path`, or None when there is none (or it cannot be read: it is made again)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, value) -> None:
+    """Write an entry whole or not at all (parallel jobs may write the same one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)

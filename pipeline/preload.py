@@ -1,0 +1,18 @@
+"""What the job starter (pipeline.starter) imports once, so that no job process imports it again: the console's
+filters first (the starter's environment carries the console's level), then the libraries and the job's own
+modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is left to the jobs that use it
+(tests/test_starter.py checks every import below)."""
+
+from pipeline import quiet
+
+quiet.install()
+
+import accelerate  # noqa: E402, F401
+import datasets  # noqa: E402, F401
+import sklearn.metrics  # noqa: E402, F401
+import torch  # noqa: E402, F401
+import transformers  # noqa: E402, F401
+import transformers.trainer  # noqa: E402, F401
+
+from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401
+from pipeline.backends import accelerator, trainer  # noqa: E402, F401

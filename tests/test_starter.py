@@ -1,0 +1,134 @@
+"""Jobs started warm (forked from the starter, pipeline.starter) against jobs started cold (a new interpreter):
+the starter never touches CUDA, and both ways record the same figures, from the caches or without them."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY, run_cli, store, sweep_runs
+
+from pipeline import starter
+
+# Run in a fresh interpreter: torch's CUDA entry points replaced by recorders, as a CUDA build on a machine with
+# a GPU would reach them (availability through NVML answers True, as the starter's environment makes it), then
+# the modules imported; prints the entry points that were called (each initialises the CUDA driver).
+CUDA_PROBE = """
+import json, os, sys, traceback
+os.environ.update(json.loads(sys.argv[1]))
+import torch
+called = []
+def recorder(name, value):
+    def call(*args, **kwargs):
+        called.append([name, traceback.format_stack(limit=4)[0].strip()])
+        return value
+    return call
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+for name, value in [("_lazy_init", None), ("init", None), ("get_device_capability", (9, 0)),
+                    ("get_device_properties", None), ("current_device", 0), ("get_device_name", "GPU"),
+                    ("set_device", None), ("synchronize", None), ("mem_get_info", (0, 0))]:
+    setattr(torch.cuda, name, recorder(name, value))
+for module in sys.argv[2:]:
+    try:
+        __import__(module)
+    except Exception as err:  # a module that takes the recorders' answers for a real GPU and fails later on
+        called.append(["import failed", f"{module}: {type(err).__name__}"])
+print(json.dumps(called))
+"""
+
+
+def cuda_calls(*modules: str) -> list:
+    env = json.dumps(starter.STARTER_ENV)
+    proc = subprocess.run(
+        [sys.executable, "-c", CUDA_PROBE, env, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_starter_never_initialises_cuda():
+    """What the starter imports reaches none of torch's CUDA entry points: a process forked from it can use
+    CUDA. The probe does catch a module that does (bitsandbytes reads each device's compute capability)."""
+    assert starter.STARTER_ENV == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    assert cuda_calls(starter.PRELOAD) == []
+    assert any(name == "get_device_capability" for name, _ in cuda_calls("bitsandbytes"))
+
+
+# figures that depend on the machine's speed or on the process, not on the job
+TIMING = ("_per_second", "_ms", "_s", "mfu", "peak_rss_mb", "device_peak_tflops")
+
+
+def figures(folder, client) -> dict:
+    """backend -> (metrics, train_loss series, params, datasets, job_start) of each run of the sweep in
+    `folder` (the latest sweep when there are several)."""
+    runs = (
+        sweep_runs(folder)[1] if len(list(folder.glob("multirun/*"))) == 1 else latest_sweep(folder, client)
+    )
+    out = {}
+    for run in runs:
+        metrics = {k: v for k, v in run.data.metrics.items() if not k.endswith(TIMING)}
+        losses = [m.value for m in client.get_metric_history(run.info.run_id, "train_loss")]
+        inputs = sorted((i.dataset.name, i.dataset.digest) for i in run.inputs.dataset_inputs)
+        out[run.data.params["backend"]] = (
+            metrics,
+            losses,
+            run.data.params,
+            inputs,
+            run.data.tags["job_start"],
+        )
+    return out
+
+
+def latest_sweep(folder, client):
+    sweep_file = sorted(folder.glob("multirun/*/mlflow_sweep.json"))[-1]
+    ids = json.loads(sweep_file.read_text())
+    return client.search_runs(
+        [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{ids['parent_run_id']}'"
+    )
+
+
+def warm_against_cold(tmp_path, *args):
+    """The same sweep started cold (caches empty: the splits read and the step simulated in the job), then warm
+    (force=true: trained again, the splits and the simulated step from the caches): every figure alike."""
+    cold = run_cli(tmp_path, "-m", *args, "launcher.start_jobs=cold")
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    cold_figures = figures(tmp_path, store(tmp_path))
+    assert (tmp_path / "cache" / "splits").is_dir() and any((tmp_path / "cache" / "plan").iterdir())
+    warm = run_cli(tmp_path, "-m", *args, "force=true")
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    warm_figures = figures(tmp_path, store(tmp_path))
+    assert warm_figures.keys() == cold_figures.keys()
+    for backend, (metrics, losses, params, inputs, start) in warm_figures.items():
+        assert start == "warm" and cold_figures[backend][4] == "cold"
+        assert metrics == cold_figures[backend][0], backend
+        assert losses == cold_figures[backend][1] and len(losses) == 3
+        assert params == cold_figures[backend][2] and inputs == cold_figures[backend][3]
+        assert metrics["optimizer_state_bytes"] > 0 and metrics["peak_breakdown_mb"] > 0
+        assert "predicted_peak_mb" in metrics and "eval_f1" in metrics
+    return warm
+
+
+def test_warm_jobs_record_what_cold_ones_do(tmp_path):
+    warm_against_cold(tmp_path, "backend=trainer,accelerator", *TINY)
+
+
+@pytest.mark.slow
+def test_warm_jobs_record_what_cold_ones_do_on_minilm(tmp_path):
+    small = ["data.max_train_samples=48", "data.max_eval_samples=32", "data.max_val_samples=32"]
+    warm_against_cold(tmp_path, "model=minilm", "batch_size=8", "train.max_steps=3", *small)
+
+
+def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path):
+    """The starter keeps the environment it started with (tqdm's delay, read at import, follows log_level): a
+    point of another log_level starts cold, and both finish."""
+    # (log_level is no part of a point: force=true trains the second one too)
+    proc = run_cli(tmp_path, "-m", "log_level=warning,info", "force=true", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(sweep_runs(tmp_path)[1], key=lambda r: r.info.start_time)
+    assert [r.data.tags["job_start"] for r in runs] == ["warm", "cold"]
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
