@@ -90,9 +90,10 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
     return largest_fitting(fits, upper=len(splits.train)), fitting
 
 
-def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
+def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
     """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by
-    probes), beside the largest one the shapes predict."""
+    probes), beside the largest one the shapes predict; `choice`: the registry's answer for the job
+    (`pipeline.optimizers.choose`)."""
     import torch
 
     from pipeline import backends, data, measurements, optimizers, plan
@@ -100,9 +101,8 @@ def fit_result(cfg, model, splits, spec, tokenizer, job_dir) -> dict:
     budget = cfg.memory_budget_mb
     if budget is None and not torch.cuda.is_available():
         raise ValueError("find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit")
-    estimate = spec.estimate(
-        optimizers.param_infos(model), cfg, spec.variant(cfg.backend.name, cfg), model.config
-    )
+    spec = choice.spec
+    estimate = spec.estimate(optimizers.param_infos(model), cfg, choice.variant, model.config)
     best, fitting = search(
         cfg,
         model,

@@ -47,7 +47,9 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     from pipeline import backends, batch_size, data, distributed, measurements, optimizers
     from pipeline.timing import StepTimer
 
-    spec = optimizers.spec_for(cfg.optim)
+    # the optimizer asked of the registry once: its entry, the Trainer's optim= string, the estimate's variant
+    choice = optimizers.choose(cfg)
+    spec = choice.spec
     distributed.check_world_size(cfg, "environment")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ValueError(
@@ -56,12 +58,12 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     transformers.set_seed(cfg.seed)
     tokenizer, splits, model = load(cfg)
     if cfg.find_batch_size:
-        result = batch_size.fit_result(cfg, model, splits, spec, tokenizer, job_dir)
+        result = batch_size.fit_result(cfg, model, splits, choice, tokenizer, job_dir)
     else:
         collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
         with StepTimer(model) as timer:
             out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
-        result = measurements.training_result(cfg, spec, model, splits, collate, out, timer, job_dir)
+        result = measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)
     return {**result, "datasets": splits.inputs}  # the runner logs them as the run's dataset inputs
 
 

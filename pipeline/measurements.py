@@ -39,7 +39,7 @@ def warmup_steps(cfg) -> int:
     return max(2, cfg.memory_track_steps or 1)
 
 
-def state_estimate(cfg, spec, model, optimizer) -> StateSize | None:
+def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     """The analytic state size of what this rank holds: every trainable parameter's, or under ZeRO-1 those of
     the parameters it owns; None under FSDP, where the parameters are flattened shards."""
     if cfg.train.sharding == "fsdp":
@@ -49,7 +49,7 @@ def state_estimate(cfg, spec, model, optimizer) -> StateSize | None:
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         trainable = [p for p in model.parameters() if p.requires_grad]
         infos = [i for i, p in zip(infos, trainable, strict=True) if id(p) in owned]
-    return spec.estimate(infos, cfg, spec.variant(cfg.backend.name, cfg), model.config)
+    return choice.spec.estimate(infos, cfg, choice.variant, model.config)
 
 
 def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_params: int, device: str):
@@ -124,14 +124,16 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> 
     return figures
 
 
-def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
-    """The record of a training job (rank 0's is the one the runner logs; every rank takes part)."""
+def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
+    """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
+    the registry's answer for the job (`pipeline.optimizers.choose`)."""
+    spec = choice.spec
     world_size = distributed.check_world_size(cfg, "process group")
     num_params = sum(p.numel() for p in model.parameters())
     state = optimizer_state_size(out.optimizer)
     paged = paged_state_size(out.optimizer)
     try:
-        estimate, estimate_na = state_estimate(cfg, spec, model, out.optimizer), None
+        estimate, estimate_na = state_estimate(cfg, choice, model, out.optimizer), None
     except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
         estimate, estimate_na = None, f"n/a: {err}"
     memory = out.peak.metrics()
@@ -162,9 +164,9 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
         # ZeRO-1 the other ranks' shards are not on this one (the simulation steps the whole optimizer)
         paged_mb = paged.mb if on_cuda else 0.0
         if cfg.train.sharding == "zero1":
-            variant = spec.variant(cfg.backend.name, cfg)
             paged_mb += (
-                spec.estimate(optimizers.param_infos(model), cfg, variant, model.config).mb - estimate.mb
+                spec.estimate(optimizers.param_infos(model), cfg, choice.variant, model.config).mb
+                - estimate.mb
             )
         memory.update(
             prediction(
@@ -209,7 +211,7 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
     if spec.name == "custom":  # how its estimate was found (there is no analytic model of it)
         tags["state_estimate"] = estimate_na or "meta-device step (pipeline.optimizers.meta_estimate)"
     if cfg.backend.name == "trainer":  # the Trainer's own optim= path, or the registry's object
-        tags["trainer_optim"] = spec.trainer_string(cfg) or "none: handed the registry's optimizer object"
+        tags["trainer_optim"] = choice.trainer_optim or "none: handed the registry's optimizer object"
     if spec.name.startswith("paged") and not on_cuda:
         tags["optim_paged"] = "false: bitsandbytes falls back to non-paged state off CUDA"
     return {
@@ -230,7 +232,7 @@ def training_result(cfg, spec, model, splits, collate, out, timer: StepTimer, jo
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
             "val_samples": 0 if splits.val is None else len(splits.val),
-            "optim_variant": spec.variant(cfg.backend.name, cfg) or "plain",
+            "optim_variant": choice.variant or "plain",
             "optim_settings": optimizers.built_settings(out.optimizer),
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
         },

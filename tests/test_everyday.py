@@ -1,5 +1,5 @@
-"""Issue 20, replayed through the real CLI: a constant bad value fails a sweep at once (a swept one stays a
-FAILED point), unknown names get a "did you mean", runs record their label names, find_batch_size's output
+"""Everyday use, replayed through the real CLI: a constant bad value fails a sweep at once (a swept one stays
+a FAILED point), unknown names get a "did you mean", runs record their label names, find_batch_size's output
 reads right, and every optimizer setting is shown and has the same effect on both backends."""
 
 import inspect

@@ -133,7 +133,7 @@ def test_a_run_whose_every_step_is_skipped_is_measured_not_crashed(tmp_path):
     out = TrainOutput(torch.optim.AdamW(tiny_model().parameters()), [0.7] * 6, {}, 1.5, memory, "cpu")
     splits = data.Splits(train=[0] * 64, eval=[0] * 32, label_names=["rotten", "fresh"])
     result = measurements.training_result(
-        cfg, optimizers.get("adamw"), tiny_model(), splits, collate, out, timer, tmp_path
+        cfg, optimizers.choose(cfg), tiny_model(), splits, collate, out, timer, tmp_path
     )
     m = result["metrics"]
     assert m["optimizer_steps_skipped"] == 6 and "optimizer_step_ms" not in m

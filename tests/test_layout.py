@@ -49,3 +49,18 @@ def test_the_mlflow_adapter_and_the_services_import_nothing_above_them():
     for name, imports in graph.items():
         if name.startswith(("pipeline.report", "pipeline.tracking", "pipeline.backends")):
             assert not imports & above, f"{name} imports {imports & above}"
+
+
+def test_the_optimizer_catalog_and_the_config_checks_import_no_heavy_package():
+    """The config is validated before any heavy import: importing the catalog (pipeline.optimizers, torch and
+    the optimizer packages imported inside its functions) and the config checks loads none of them."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "transformers", "bitsandbytes", "torchao", "galore_torch", "datasets"]
+    code = (
+        "import sys, pipeline.optimizers, pipeline.config; "
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    found = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == ""

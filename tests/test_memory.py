@@ -317,7 +317,7 @@ def test_find_batch_size_gives_adafactor_a_larger_batch(fit_sweep):
     assert "largest batch that fits" in proc.stdout
 
 
-# ---- issue 17: optimizers that update inside the backward pass --------------------------------------------
+# ---- optimizers that update inside the backward pass ------------------------------------------------------
 
 
 def breakdown_of_training(optim: str, backend_steps: int = 3) -> dict[str, float]:
