@@ -3,10 +3,11 @@
     python -m bench.probe cli OUT_JSON [pipeline overrides ...]   # as `python -m pipeline ...`
     python -m bench.probe job JOB_DIR                              # as `python -m pipeline.job JOB_DIR`
 
-`cli` wraps every Tracker method (MLflow) and the job process, swaps the job's command for `bench.probe job`,
-then runs `pipeline.__main__` as `python -m pipeline` would, and writes its phase times (seconds) to OUT_JSON.
-`job` times the job's imports and each loading step, then runs `pipeline.job.main`; its phases go to
-JOB_DIR/bench_phases.json. A wrapper costs about a microsecond per call: nothing measurable next to a job.
+`cli` wraps every Tracker method (MLflow) and the job process, swaps the job's command for `bench.probe job`
+(a cold start) and the module a warm job process runs for this one (`main`), then runs `pipeline.__main__` as
+`python -m pipeline` would, and writes its phase times (seconds) to OUT_JSON. `main` times the job's imports
+(none left to make in a warm job process: the starter made them) and each loading step, then runs
+`pipeline.job.main`; its phases go to JOB_DIR/bench_phases.json. A wrapper costs about a microsecond per call: nothing measurable next to a job.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def patch(owner, attr: str, name: str) -> None:
 
 
 def cli(out: Path, overrides: list[str]) -> None:
-    from pipeline import placement, runner, tracking
+    from pipeline import placement, runner, starter, tracking
 
     for method in ("__init__", "experiment_id", "finished_run", "start_run", "log", "log_artifact", "end"):
         patch(tracking.Tracker, method, f"mlflow.{method}")
@@ -60,6 +61,7 @@ def cli(out: Path, overrides: list[str]) -> None:
 
     runner.run = run
     placement.job_command = probed_command
+    starter.JOB_MODULE = "bench.probe"  # a warm job process runs main() below
     patch(runner, "run_job_process", "cli.job_process")
     sys.argv = ["pipeline", *overrides]
     try:
@@ -72,7 +74,8 @@ def cli(out: Path, overrides: list[str]) -> None:
     sys.exit(code)
 
 
-def job(job_dir: Path) -> None:
+def main(job_dir: Path) -> int:
+    """`pipeline.job.main` with stopwatches; its exit code."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -108,9 +111,15 @@ def job(job_dir: Path) -> None:
         PHASES["job.last_step_end"] = step_ends[-1] - START
     PHASES["job.total"] = time.perf_counter() - START
     (job_dir / JOB_PHASES_FILE).write_text(json.dumps(PHASES, indent=1))
+    return code
+
+
+def job(job_dir: Path) -> None:
+    """A cold job process: main(), then the end `python -m pipeline.job` has."""
+    code = main(job_dir)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as pipeline.job ends
+    os._exit(code)
 
 
 if __name__ == "__main__":
