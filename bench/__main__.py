@@ -6,6 +6,7 @@
 (d) time from command to error for bad input
 (e) throughput of 4 tiny jobs, 2 at a time against one at a time
 (f) optimizer.step() time of every registered optimizer (bench/optim_steps.py)
+(g) wall time per job of an 8-job tiny sweep of one step each, jobs started warm and cold, against the import floor
 
 Every figure is a ratio of things measured in the same run, interleaved, so machine drift cancels; each is a
 median over repeats with min and max. Work files and logs go to outputs/bench/<time>/.
@@ -33,7 +34,15 @@ PARALLEL_OVERRIDES = "launcher=parallel launcher.n_jobs=2"
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # as the runner sets it for every job
-GOALS = {"step": 1.03, "overhead": 1.3, "mlflow": 0.02, "bad_input_s": 2.0, "parallel": 1.7}
+GOALS = {
+    "step": 1.03,
+    "overhead": 1.0,
+    "mlflow": 0.02,
+    "bad_input_s": 2.0,
+    "parallel": 1.7,
+    "sweep_job": 0.35,
+}
+SWEEP_JOBS = 8  # (g)
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,22 @@ def parallel_sweeps(s: Settings, work: Path) -> dict[str, float | None]:
     return walls
 
 
+def sweep_per_job(work: Path, start: str) -> float:
+    """(g) Wall time of an 8-job tiny sweep of one step each (the whole command: sweep start, parent run,
+    report), divided by its jobs; `start`: launcher.start_jobs."""
+    seeds = ",".join(map(str, range(SWEEP_JOBS)))
+    overrides = [
+        "model=tiny",
+        f"seed={seeds}",
+        "train.max_steps=1",
+        "force=true",
+        f"launcher.start_jobs={start}",
+    ]
+    overrides += [f"outputs_dir={work}", f"hydra.sweep.dir={work}/multirun/sweep8-{start}-{time.time_ns()}"]
+    wall, _ = run([PY, "-m", "pipeline", "-m", *overrides], work / f"sweep8-{start}.log")
+    return wall / SWEEP_JOBS
+
+
 def optimizer_steps(s: Settings, work: Path) -> list[dict]:
     log = work / "optim_steps.log"
     run([PY, "-m", "bench.optim_steps", s.optim_model, str(s.optim_steps)], log)
@@ -222,11 +247,11 @@ def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
             each(lambda j: j["wall"] - j["cli.until_runner"] - mlflow_s(j) - j["cli.job_process"]),
         ),
         (
-            "job process: interpreter start and teardown",
+            "job process: start (warm: the wait for the starter's imports, then a fork) and teardown",
             each(lambda j: j["cli.job_process"] - j["job.total"]),
         ),
         (
-            "job process: imports (torch, transformers, accelerate, datasets, pipeline)",
+            "job process: imports left to it (torch, transformers, accelerate, datasets, pipeline)",
             each(lambda j: j["job.imports"]),
         ),
         (
@@ -301,6 +326,12 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
             f"| (c) MLflow share of the job's wall time, `backend={backend}` [%] | {cell(shares)} | "
             f"{verdict(statistics.median(shares), GOALS['mlflow'] * 100, unit=' %')} |"
         )
+    for start in ("warm", "cold"):
+        ratios = [job / f for job, f in zip(r["sweep8"][start], floors, strict=True)]
+        lines.append(
+            f"| (g) {SWEEP_JOBS}-job tiny sweep, jobs started {start}: wall per job / import floor | "
+            f"{cell(ratios)} | {verdict(statistics.median(ratios), GOALS['sweep_job'])} |"
+        )
     for case, walls in r["bad"].items():
         lines.append(
             f"| (d) command to error, `python -m pipeline {case}` [s] | {cell(walls)} | "
@@ -347,7 +378,9 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
         "",
         "Fixed overhead = wall time of `python -m pipeline ...` (one run, from the command to its exit) "
         "less the training loop (`train_runtime_s`): everything a job costs besides training — both "
-        "processes' start-up, imports, loading and tokenizing, backend setup, evaluation "
+        "processes' start-up (the job's process forked from the starter, which imports torch & co. while "
+        "the CLI opens the MLflow store), imports, loading and tokenizing (the splits and the simulated step "
+        "from outputs/cache after the first job), backend setup, evaluation "
         f"({s.eval_samples} eval samples), MLflow, teardown. Import floor = wall time of "
         f'`python -c "import torch, transformers, mlflow"`: {cell(floors)} s. MLflow = time inside '
         "the pipeline's `Tracker` (its construction, which imports mlflow and opens the store, and "
@@ -391,6 +424,23 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
         "| optimizer | step [ms] (min – max) | first step [ms] | / adamw |",
         "| --- | --- | --- | --- |",
     ]
+    lines += [
+        "",
+        "## (g) A sweep of short jobs",
+        "",
+        f"`python -m pipeline -m model=tiny seed=0,...,{SWEEP_JOBS - 1} train.max_steps=1 force=true` with "
+        "`launcher.start_jobs=warm` (the default: each job's process forked from the sweep's starter) and "
+        "`=cold` (a new interpreter per job); the whole command's wall time (Hydra, the MLflow store, the "
+        f"parent run, the report) divided by its {SWEEP_JOBS} jobs, in seconds.",
+        "",
+        "| jobs started | s per job | / import floor |",
+        "| --- | --- | --- |",
+        *(
+            f"| {start} | {cell(r['sweep8'][start], '{:.2f}')} | "
+            f"{cell([j / f for j, f in zip(r['sweep8'][start], floors, strict=True)])} |"
+            for start in ("warm", "cold")
+        ),
+    ]
     base = next((o["step_ms"] for o in r["optim"] if o["optim"] == "adamw" and "step_ms" in o), None)
     for o in r["optim"]:
         if "error" in o:
@@ -421,6 +471,7 @@ def main() -> None:
     # not measured: creates the MLflow store and the CPU peak-FLOP/s cache, warms the file cache
     pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
+    r["sweep8"] = {"warm": [], "cold": []}
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
         r["floors"].append(import_floor(work))
@@ -429,6 +480,11 @@ def main() -> None:
         config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
         r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
+        for start in ("warm", "cold")[:: 1 if rep % 2 == 0 else -1]:
+            r["sweep8"][start].append(sweep_per_job(work, start))
+        say(
+            f"  {SWEEP_JOBS}-job sweep, s per job: warm {r['sweep8']['warm'][-1]:.2f}, cold {r['sweep8']['cold'][-1]:.2f}"
+        )
         say(
             f"  step ms: trainer {r['jobs']['trainer'][-1]['train_step_ms']:.1f}, accelerator "
             f"{r['jobs']['accelerator'][-1]['train_step_ms']:.1f}, bare {r['bare'][-1]['train_step_ms']:.1f}"

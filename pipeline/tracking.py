@@ -9,6 +9,7 @@ ours but `pipeline` itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import json
 import os
@@ -223,8 +224,9 @@ class Tracker:
 
     @classmethod
     def for_config(cls, cfg: DictConfig) -> Tracker:
-        """The store a job's config names (tracking.uri, else $MLFLOW_TRACKING_URI, else under outputs_dir)."""
-        return cls(store_uri(cfg.tracking.uri, cfg.outputs_dir), cfg.outputs_dir)
+        """The store a job's config names (tracking.uri, else $MLFLOW_TRACKING_URI, else under outputs_dir),
+        opened once per process: a sweep's launching process opens it once for all its jobs."""
+        return _opened(store_uri(cfg.tracking.uri, cfg.outputs_dir), str(cfg.outputs_dir))
 
     def experiment_id(self, name: str) -> str:
         """Get or create the experiment, marked as a model-training one; on a local store its artifacts go to
@@ -372,6 +374,11 @@ class Tracker:
         if status is not None:
             where += f" and attributes.status = '{status}'"
         return self.client.search_runs([experiment_id], filter_string=where, max_results=10000)
+
+
+@functools.cache
+def _opened(uri: str, outputs_dir: str) -> Tracker:
+    return Tracker(uri, outputs_dir)
 
 
 def _meta_dataset(data: dict):
