@@ -116,4 +116,4 @@ lint: install
 	$(BIN)/ruff format --check pipeline tests bench
 
 clean:
-	rm -rf outputs/mlflow.db outputs/mlartifacts outputs/multirun outputs/runs outputs/report
+	rm -rf outputs/mlflow.db outputs/mlartifacts outputs/multirun outputs/runs outputs/report outputs/cache
