@@ -36,7 +36,7 @@ SWEEP = (
 ACCURACY = ["--models", "minilm,distilbert-base-cased,qwen2.5-0.5b", "--optims", "adamw,adafactor,adamw_8bit"]
 ACCURACY += ["--precisions", "fp32,bf16", "--checkpointing", "false"]
 # job processes the gpu-marked tests start on one GPU (tests/test_gpu.py, tests/test_scale.py), and on two
-TEST_JOBS = {"one GPU": 6 + 3 + 2 + 2, "two GPUs": 6 + 3 + 2 + 2 + 3}
+TEST_JOBS = {"one GPU": 6 + 3 + 2 + 2 + 2, "two GPUs": 6 + 3 + 2 + 2 + 2 + 3}
 JOB_START_S = 8.2  # fixed overhead of one job (bench/RESULTS.md (b): start-up, imports, loading, MLflow)
 COLUMNS = {  # summary column <- MLflow metric or tag
     "state [MB]": "optimizer_state_mb",

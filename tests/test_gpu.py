@@ -94,3 +94,16 @@ def test_find_batch_size_on_cuda_within_a_budget(tmp_path):
     runs = {r.data.params["optim"]: r.data.metrics for r in sweep_runs(tmp_path)[1]}
     assert runs["adafactor"]["max_batch_size"] > runs["adamw"]["max_batch_size"] > 0
     assert all(m["max_batch_peak_memory_mb"] <= 2000 for m in runs.values())
+
+
+def test_two_jobs_started_warm_on_the_gpu_finish_with_their_own_peaks(tmp_path):
+    """The job starter never initialised CUDA: each job forked from it initialises its own, and each records
+    the allocator's peak of its own process (a larger batch, a larger peak; neither holds the other's)."""
+    proc = run_cli(tmp_path, "-m", "batch_size=8,32", "train.padding=max_length", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r.data.params["batch_size"]: r for r in sweep_runs(tmp_path)[1]}
+    assert [runs[b].data.tags["job_start"] for b in ("8", "32")] == ["warm", "warm"]
+    small, large = (runs[b].data.metrics for b in ("8", "32"))
+    assert all(runs[b].data.params["device"].startswith("cuda") for b in runs)
+    assert 0 < small["peak_memory_mb"] < large["peak_memory_mb"]
+    assert small["optimizer_state_mb"] == large["optimizer_state_mb"] == small["estimated_optimizer_state_mb"]
