@@ -9,7 +9,6 @@ quiet.install()
 
 import accelerate  # noqa: E402, F401
 import datasets  # noqa: E402, F401
-import sklearn.metrics  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import transformers  # noqa: E402, F401
 import transformers.trainer  # noqa: E402, F401
