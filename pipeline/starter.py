@@ -60,6 +60,18 @@ def _environ(env: dict):
         os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def _start_method(method: str):
+    """This process's default start method is `method` for the block: a new process is prepared with the
+    default's name, which must exist in the child (a joblib worker's own, "loky", does not there)."""
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(saved, force=True)
+
+
 def prestart(env: dict) -> bool:
     """Start this process's starter with `env` unless it runs already: it imports PRELOAD in the background,
     while this process goes on (opens the MLflow store). Whether a job of this environment can start warm."""
@@ -124,7 +136,8 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
         ctx = multiprocessing.get_context("forkserver")
         proc = ctx.Process(target=_child, args=(str(job_dir), env, JOB_MODULE), name=f"job {job_dir.name}")
         try:
-            proc.start()
+            with _start_method("forkserver"):
+                proc.start()
         except (OSError, EOFError) as err:  # the starter died (an import of PRELOAD failed): start cold
             print(f"[job] {job_dir.name}: the job starter is gone ({err!r}): starting cold", file=sys.stderr)
         else:

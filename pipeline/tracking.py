@@ -330,6 +330,7 @@ class Tracker:
         context, name, digest, rows, columns ({column: `datasets` dtype}) and source ({"uri": file URI} or
         {"hub": path, "subset": name, "split": split})."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.exceptions import MlflowException
         from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
         inputs = []
@@ -344,7 +345,15 @@ class Tracker:
                 profile=json.dumps({"num_rows": data["rows"]}),
             )
             inputs.append(DatasetInput(entity, [InputTag(MLFLOW_DATASET_CONTEXT, data["context"])]))
-        self.client.log_inputs(run_id, datasets=inputs)
+        try:
+            self.client.log_inputs(run_id, datasets=inputs)
+        except MlflowException as err:
+            if "unique constraint" not in str(err).lower():
+                raise
+            # parallel jobs of one sweep log the same splits: MLflow's SQL store looks a dataset up, then inserts
+            # it, so the slower of two at the same moment fails; the row exists now, and the call is one
+            # transaction: a second call links this run to it
+            self.client.log_inputs(run_id, datasets=inputs)
 
     def log_artifact(self, run_id: str, path: Path) -> None:
         self.client.log_artifact(run_id, str(path))
