@@ -97,9 +97,10 @@ def prediction(cfg, spec, model, names, exclude_mb: float, largest_batch: tuple,
 
 
 # what the simulated step does not depend on: the seed, the data (their shapes are the batch's; the number of
-# classes is the model config's), evaluation, and where and how the job runs
+# classes is the model config's), how many steps follow it, evaluation, and where and how the job runs
 NOT_IN_PLAN = ("seed", "data", "eval", "tracking", "outputs_dir", "force", "log_level", "launcher", "hydra")
 NOT_IN_PLAN += ("memory_track_steps", "memory_budget_mb", "find_batch_size", "plan", "device_memory")
+NOT_IN_PLAN_TRAIN = ("max_steps",)
 
 
 def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> dict:
@@ -108,6 +109,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> 
     from pipeline import cache
 
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
+    point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names)]
     path = cache.folder(cfg.outputs_dir, "plan") / f"{cache.key(*inputs, library_versions())}.json"
     figures = cache.read_json(path)
