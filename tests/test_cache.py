@@ -1,0 +1,78 @@
+"""Work done once per sweep (pipeline.cache): the data splits and the simulated step are made once per key and
+made anew when what determines them changes, never reused from other inputs."""
+
+import json
+import os
+
+import pandas as pd
+import torch
+from conftest import compose_cfg
+
+from pipeline import data, measurements, models, optimizers, plan
+
+ROWS = {"text": [f"review number {i}" for i in range(40)], "label": ["neg", "pos"] * 20}
+
+
+def entries(folder) -> list:
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def test_splits_are_read_once_and_read_again_when_their_file_changes(tmp_path):
+    train, evaluation = tmp_path / "train.csv", tmp_path / "eval.csv"
+    pd.DataFrame(ROWS).to_csv(train, index=False)
+    pd.DataFrame(ROWS).iloc[:6].to_csv(evaluation, index=False)
+    cfg = compose_cfg("data=csv", f"data.train_file={train}", f"data.eval_file={evaluation}").data
+    fresh = data.load_splits(cfg)
+    first = data.read_splits(cfg, tmp_path)
+    again = data.read_splits(cfg, tmp_path)
+    cached = tmp_path / "cache" / "splits"
+    assert len(entries(cached)) == 1
+    for split in ("train", "eval", "val"):  # as read, from the cache or not
+        assert (
+            getattr(first, split).to_dict()
+            == getattr(again, split).to_dict()
+            == getattr(fresh, split).to_dict()
+        )
+    assert first.label_names == again.label_names == ["neg", "pos"]
+    assert again.inputs == data.dataset_inputs(fresh, cfg)
+    # an edited file (more rows) is another entry: the splits are read from it again
+    pd.DataFrame({k: v * 2 for k, v in ROWS.items()}).to_csv(train, index=False)
+    os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10**9))
+    edited = data.read_splits(cfg, tmp_path)
+    assert len(entries(cached)) == 2
+    assert len(edited.train) + len(edited.val) == 80
+    # another config (a validation split of its own) is another entry too
+    data.read_splits(compose_cfg("data=csv", f"data.train_file={train}", f"data.eval_file={evaluation}",
+                                 "data.val_fraction=0.2").data, tmp_path)  # fmt: skip
+    assert len(entries(cached)) == 3
+
+
+def simulated(tmp_path, *overrides) -> dict:
+    cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}", *overrides)
+    model = models.load_model(cfg.model, num_labels=2)
+    spec = optimizers.spec_for(cfg.optim)
+    return measurements.simulated_step(
+        cfg, spec, model.config, (16, 32), False, ("input_ids", "attention_mask")
+    )
+
+
+def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path):
+    torch.manual_seed(0)
+    first = simulated(tmp_path, "seed=0")
+    cached = tmp_path / "cache" / "plan"
+    assert len(entries(cached)) == 1
+    assert simulated(tmp_path, "seed=1", "train.max_steps=7") == first  # same step: the same entry
+    assert len(entries(cached)) == 1
+    # what the entry holds is what the plan computes for that step
+    cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}")
+    model = models.load_model(cfg.model, num_labels=2)
+    found = plan.simulate(
+        model.config, optimizers.spec_for(cfg.optim), cfg, 16, 32, names=("input_ids", "attention_mask")
+    )
+    assert first == json.loads(json.dumps({"peak": found["peak"], "activations": found["parts"]["activations"],
+                                           "method": found["method"]}))  # fmt: skip
+    # another optimizer, precision or batch is another step
+    adafactor = simulated(tmp_path, "optim=adafactor")
+    simulated(tmp_path, "train.precision=bf16")
+    assert len(entries(cached)) == 3
+    assert adafactor["peak"] < first["peak"]
