@@ -4,7 +4,8 @@ source, so that an entry made by other code or from other inputs is never found,
 
 What is kept (docs/sweeps.md): `splits/` the data splits as read and their tokenized forms (datasets' Arrow
 files), `plan/` the simulated step behind a job's `predicted_peak_mb`; beside them `torchinductor/` (compiled
-optimizer steps) and `cpu_peak_flops.json`. `rm -rf outputs/cache` clears it all; nothing is lost but time.
+optimizer steps) and `cpu_peak_flops.json`. $PIPELINE_CACHE_DIR puts them elsewhere (keys never collide).
+`rm -rf outputs/cache` clears it all; nothing is lost but time.
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ def key(*inputs) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+ROOT_ENV = "PIPELINE_CACHE_DIR"  # one cache for several outputs folders (the test suite's sweeps share one)
+
+
+def root(outputs_dir) -> Path:
+    """Where the caches live: <outputs_dir>/cache, or $PIPELINE_CACHE_DIR when it is set."""
+    return Path(os.environ.get(ROOT_ENV) or Path(outputs_dir) / "cache").resolve()
+
+
 def folder(outputs_dir, kind: str) -> Path:
-    return Path(outputs_dir).resolve() / "cache" / kind
+    return root(outputs_dir) / kind
 
 
 def file_stamp(path) -> list:

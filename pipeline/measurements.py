@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import StateSize, distributed, optimizers
+from pipeline import StateSize, cache, distributed, optimizers
 from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
 from pipeline.timing import StepTimer, peak_flops
 
@@ -69,7 +69,7 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_p
         basis = f"steps 1-{steps} (the whole loop: fewer than {warmup + 2} steps, no steady window)"
     metrics["train_samples_per_second"] = steps * cfg.batch_size * world / seconds
     metrics["train_tokens_per_second"] = tokens / seconds
-    peak, peak_source = peak_flops(device, cfg.train.precision, Path(cfg.outputs_dir) / "cache")
+    peak, peak_source = peak_flops(device, cfg.train.precision, cache.root(cfg.outputs_dir))
     if peak:
         peak *= world
         # training costs about 6 FLOPs per parameter per (non-padding) token: 2 forward, 4 backward
@@ -106,8 +106,6 @@ NOT_IN_PLAN_TRAIN = ("max_steps",)
 def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> dict:
     """The plan's peak, activations and method for this step (pipeline.plan.simulate), simulated once per sweep
     point and kept under <outputs_dir>/cache/plan (pipeline.cache): the seeds of a point share it."""
-    from pipeline import cache
-
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names)]

@@ -106,12 +106,12 @@ class Failure:
 
 def job_env(cfg: DictConfig, ranks: dict) -> dict[str, str]:
     """The environment of a job's process(es), less its GPUs (the sweep's pool hands them out per job)."""
-    from pipeline import placement, quiet
+    from pipeline import cache, placement, quiet
 
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps; what
     # the environment sets wins
     env = {
-        "TORCHINDUCTOR_CACHE_DIR": str(Path(cfg.outputs_dir).resolve() / "cache" / "torchinductor"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache.folder(cfg.outputs_dir, "torchinductor")),
         **quiet.job_env(quiet.log_level(cfg)),
         **os.environ,
         "TOKENIZERS_PARALLELISM": "false",

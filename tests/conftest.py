@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,10 @@ CONF = ROOT / "conf"
 # No hub here: any attempt to download must fail at once instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The sweeps of the suite, each in its own outputs folder, share one cache (pipeline.cache: its keys never let an
+# entry stand for other inputs): the packaged data is read and split once, not once per test. The tests of the
+# caches themselves use their own (tests/test_cache.py, tests/test_starter.py).
+os.environ.setdefault("PIPELINE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "optimizer-sweep-tests-cache"))
 
 
 def pytest_configure(config):

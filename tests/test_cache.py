@@ -5,6 +5,7 @@ import json
 import os
 
 import pandas as pd
+import pytest
 import torch
 from conftest import compose_cfg
 
@@ -15,6 +16,12 @@ ROWS = {"text": [f"review number {i}" for i in range(40)], "label": ["neg", "pos
 
 def entries(folder) -> list:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch):
+    """The cache under each test's outputs folder (not the suite's shared one)."""
+    monkeypatch.delenv("PIPELINE_CACHE_DIR", raising=False)
 
 
 def test_splits_are_read_once_and_read_again_when_their_file_changes(tmp_path):

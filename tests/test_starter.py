@@ -95,11 +95,12 @@ def latest_sweep(folder, client):
 def warm_against_cold(tmp_path, *args):
     """The same sweep started cold (caches empty: the splits read and the step simulated in the job), then warm
     (force=true: trained again, the splits and the simulated step from the caches): every figure alike."""
-    cold = run_cli(tmp_path, "-m", *args, "launcher.start_jobs=cold")
+    own_cache = {"PIPELINE_CACHE_DIR": str(tmp_path / "cache")}  # empty at first: not the suite's shared one
+    cold = run_cli(tmp_path, "-m", *args, "launcher.start_jobs=cold", env=own_cache)
     assert cold.returncode == 0, cold.stderr[-3000:]
     cold_figures = figures(tmp_path, store(tmp_path))
     assert (tmp_path / "cache" / "splits").is_dir() and any((tmp_path / "cache" / "plan").iterdir())
-    warm = run_cli(tmp_path, "-m", *args, "force=true")
+    warm = run_cli(tmp_path, "-m", *args, "force=true", env=own_cache)
     assert warm.returncode == 0, warm.stderr[-3000:]
     warm_figures = figures(tmp_path, store(tmp_path))
     assert warm_figures.keys() == cold_figures.keys()
