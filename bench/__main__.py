@@ -106,6 +106,33 @@ def pipeline_job(s: Settings, backend: str, seed: int, work: Path) -> dict:
     }
 
 
+SWEEP_POINTS = 3  # (b) in a sweep: MiniLM jobs of one sweep, the first left out (it fills the caches)
+
+
+def sweep_overheads(s: Settings, backend: str, rep: int, work: Path) -> list[float]:
+    """(b) inside a sweep: a sweep of SWEEP_POINTS MiniLM jobs (as (b)'s single run, other seeds); for each job
+    after the first, its run's time from opening to its job process's end, less its training loop (s)."""
+    from mlflow import MlflowClient
+
+    name = f"sweep-{backend}-{rep}"
+    seeds = ",".join(str(1000 * (rep + 1) + i) for i in range(SWEEP_POINTS))
+    overrides = [o for o in job_overrides(s, backend, 0, work, name) if not o.startswith(("seed=", "hydra."))]
+    overrides += [f"seed={seeds}", f"hydra.sweep.dir={work}/multirun/{name}"]
+    run([PY, "-m", "pipeline", "-m", *overrides], work / f"{name}.log")
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    folder = str((work / "multirun" / name).resolve())
+    runs = [
+        r
+        for r in client.search_runs(experiments, max_results=1000)
+        if r.data.tags.get("job_dir", "").startswith(folder)
+    ]
+    runs.sort(key=lambda r: r.info.start_time)
+    return [
+        (r.info.end_time - r.info.start_time) / 1000 - r.data.metrics["train_runtime_s"] for r in runs[1:]
+    ]
+
+
 def bare_loop(config: Path, work: Path, name: str, peak_tracker: bool = False) -> dict:
     cmd = [PY, "-m", "bench.bare_loop", str(config), *(["--peak-tracker"] if peak_tracker else [])]
     run(cmd, work / f"{name}.log")
@@ -315,6 +342,12 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
             f"| (b) fixed overhead of one job, `backend={backend}` / import floor | {cell(ratios)} | "
             f"{verdict(statistics.median(ratios), GOALS['overhead'])} |"
         )
+    for backend, values in r["in_sweep"].items():
+        ratios = [v / f for v, f in zip(values, floors, strict=True)]
+        lines.append(
+            f"| (b) fixed overhead of one job inside a sweep, `backend={backend}` / import floor | {cell(ratios)} | "
+            f"{verdict(statistics.median(ratios), GOALS['overhead'])} |"
+        )
     for backend, runs in jobs.items():
         calls = [(mlflow_s(j) - j["mlflow.__init__"]) / j["wall"] * 100 for j in runs]
         lines.append(
@@ -390,10 +423,22 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
         "| --- |" + " --- |" * len(jobs),
     ]
     phase_rows = {b: job_phases(runs) for b, runs in jobs.items()}
+    in_sweep = " | ".join(cell(values, "{:.2f}") for values in r["in_sweep"].values())
     for i, (label, _) in enumerate(phase_rows["trainer"]):
         lines.append(
             f"| {label} | " + " | ".join(cell(rows[i][1], "{:.2f}") for rows in phase_rows.values()) + " |"
         )
+    lines += [
+        "",
+        f"The same job inside a sweep of {SWEEP_POINTS} (`-m seed=a,b,c`, the same overrides): each job after the "
+        "first, from its run's opening to its job process's end, less its training loop — the job's process "
+        "forked from the sweep's starter, the splits and the simulated step from the caches, the MLflow store "
+        "already open (seconds):",
+        "",
+        "| | " + " | ".join(f"`backend={b}`" for b in r["in_sweep"]) + " |",
+        "| --- |" + " --- |" * len(r["in_sweep"]),
+        f"| **fixed overhead of a job inside a sweep** | {in_sweep} |",
+    ]
 
     lines += [
         "",
@@ -472,11 +517,13 @@ def main() -> None:
     pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
     r["sweep8"] = {"warm": [], "cold": []}
+    r["in_sweep"] = {"trainer": [], "accelerator": []}
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
         r["floors"].append(import_floor(work))
         for backend in ("trainer", "accelerator")[:: 1 if rep % 2 == 0 else -1]:
             r["jobs"][backend].append(pipeline_job(s, backend, rep, work))
+            r["in_sweep"][backend].append(statistics.median(sweep_overheads(s, backend, rep, work)))
         config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
         r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
