@@ -3,6 +3,8 @@ filters first (the starter's environment carries the console's level), then the 
 modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is left to the jobs that use it
 (tests/test_starter.py checks every import below)."""
 
+import gc
+
 from pipeline import quiet
 
 quiet.install()
@@ -15,3 +17,8 @@ import transformers.trainer  # noqa: E402, F401
 
 from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401
 from pipeline.backends import accelerator, trainer  # noqa: E402, F401
+
+# Everything imported so far stays for the starter's life: moved out of the collector's reach, a job's
+# `gc.collect()` (accelerate's clear_device_cache, which the Trainer calls) no longer walks it, nor writes to
+# the pages the job shares with the starter (Python's documented gc.freeze() use before fork without exec).
+gc.freeze()
