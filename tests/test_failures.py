@@ -136,20 +136,40 @@ def start_sweep(tmp_path, *args):
     )
 
 
-def children(pid: int, pattern: str = ".") -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid), "-f", pattern], capture_output=True, text=True)
+def children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split()]
 
 
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def job_processes(root: int) -> list[int]:
+    """The job processes under `root` (a sweep, and its parallel workers): `python -m pipeline.job` started
+    cold, or a child of a job starter (the forkserver, pipeline.starter) started warm."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        starter = "multiprocessing.forkserver" in command_line(pid)
+        for child in children(pid):
+            if starter or "-m pipeline.job" in command_line(child):
+                found.append(child)
+            else:
+                todo.append(child)
+    return found
+
+
 def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
-    """pid of the sweep's running job process: a `pipeline.job` child started cold, or a child of the
-    sweep's job starter (the forkserver, pipeline.starter) started warm."""
+    """pid of the sweep's running job process."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        cold = children(sweep.pid, "-m pipeline.job")
-        warm = [job for starter in children(sweep.pid, "forkserver") for job in children(starter)]
-        if cold or warm:
-            return (cold or warm)[0]
+        jobs = job_processes(sweep.pid)
+        if jobs:
+            return jobs[0]
         time.sleep(0.2)
     raise TimeoutError("no job process appeared")
 

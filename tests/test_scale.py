@@ -25,7 +25,7 @@ from tests.conftest import (
     store,
     sweep_runs,
 )
-from tests.test_failures import running, start_sweep
+from tests.test_failures import job_processes, running, start_sweep
 from tests.test_sweep import METRICS
 
 # a tiny BERT whose embedding is no bigger than its layers, so ZeRO-1 can split the state about evenly
@@ -220,8 +220,7 @@ def test_interrupting_a_parallel_sweep_marks_everything_killed(tmp_path):
     sweep = start_sweep(tmp_path, "seed=0,1", *TINY, "train.max_steps=200", "launcher=parallel")
     deadline, jobs = time.time() + 120, []
     while not jobs and time.time() < deadline:
-        found = subprocess.run(["pgrep", "-f", f"pipeline.job {tmp_path}"], capture_output=True, text=True)
-        jobs = [int(pid) for pid in found.stdout.split()]
+        jobs = job_processes(sweep.pid)
         time.sleep(0.2)
     assert jobs, "no job process appeared"
     time.sleep(1)
