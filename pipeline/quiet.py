@@ -85,14 +85,14 @@ class _HeadReport(logging.Filter):
     one line instead of the table; any other report passes whole."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        text = str(record.msg)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(record.msg))  # less its terminal colours
         if "LOAD REPORT" not in text:
             return True
         rows = [[c.strip() for c in line.split("|")] for line in text.splitlines() if "|" in line]
         rows = [r for r in rows[1:] if r and not set(r[0]) <= {"-", "+"}]  # less the header and the rule
         if not rows or any(r[1] != "MISSING" or not r[0].startswith(HEADS) for r in rows):
             return True
-        found = re.search(r"(\w+)(?:\x1b\[[0-9;]*m)? LOAD REPORT", text)
+        found = re.search(r"(\w+) LOAD REPORT", text)
         model = found[1] if found else "the model"
         keys = ", ".join(r[0] for r in rows)
         record.msg = (

@@ -12,7 +12,7 @@ NOISE = ("Failed to load", "is an Enum subclass", "Detected no triton", "LOAD RE
 # the sweep's own lines: Hydra's launch lines, ours, MLflow's creating a new store, the tables
 OURS = re.compile(
     r"^(\[sweep\]|\[job\]|\[transformers\] \w+: the classification head|\[[\d\- :,]+\]\[HYDRA\]|"
-    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\(|fits |plan:|model |\s*(minilm|tiny) )"
+    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|fits |plan:|model |\s*(minilm|tiny) )"
 )
 
 
@@ -49,6 +49,6 @@ def test_another_load_report_passes_whole():
     report = "BertModel LOAD REPORT from: x\nKey | Status |\n----+----+\nencoder.w | UNEXPECTED |\n"
     record = logging.LogRecord("transformers.modeling_utils", logging.WARNING, "", 0, report, None, None)
     assert quiet._HeadReport().filter(record) and record.msg == report
-    head = "BertForSequenceClassification LOAD REPORT from: x\nKey | Status |\n---+---+\nclassifier.bias | MISSING |\n"
+    head = "\x1b[1mBertForSequenceClassification LOAD REPORT\x1b[0m from: x\nKey | Status |\n---+---+\nclassifier.bias | MISSING |\n"
     record = logging.LogRecord("transformers.modeling_utils", logging.WARNING, "", 0, head, None, None)
     assert quiet._HeadReport().filter(record) and record.msg.startswith("BertForSequenceClassification: the ")

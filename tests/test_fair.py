@@ -33,8 +33,11 @@ def test_the_rate_is_a_column_where_rows_differ_and_one_line_names_the_untuned(a
     out = proc.stdout
     header = next(line for line in out.splitlines() if "optimizer" in line and "state [MB]" in line)
     assert re.search(r"\blr\b", header), header
-    for optim, lr in rates.items():  # the rate just before the optimizer, as the console prints it
-        shown = re.search(rf"([\d.e-]+)\s+{optim}\b", out)
+    for (
+        optim,
+        lr,
+    ) in rates.items():  # the rate just after the optimizer (and its mark), as the console prints it
+        shown = re.search(rf"\b{optim}(?: \([^)]*\))?\s+([\d.e-]+)\s", out)
         assert shown and float(shown[1]) == lr, (optim, out[-3000:])
     line = "off a tuned learning rate: custom at 5e-05 (its reference, untuned)"
     assert out.count(line) == 1, out[-3000:]
