@@ -9,7 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import runner, sweep
+from pipeline import quiet, runner, sweep
 from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, validate
 from pipeline.keys import check_keys
 
@@ -47,6 +47,10 @@ def main(cfg: DictConfig) -> float | None:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+    try:  # this process's library noise too: plan=true jobs run here
+        quiet.install(quiet.log_level(cfg))
+    except ValueError:
+        pass  # a bad log_level: the job's own check makes it a FAILED point with that line
     outcome = runner.run(cfg, sweep.current_ids())
     sweep.RESULT.add(outcome)
     return outcome.score  # the validation metric (val_<eval.metric>): what a Hydra sweeper optimises

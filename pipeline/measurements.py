@@ -52,9 +52,33 @@ def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     return choice.spec.estimate(infos, cfg, choice.variant, model.config)
 
 
-def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_params: int, device: str):
+def model_flops(model) -> tuple[int, int]:
+    """What a training token costs, by the usual definition (Kaplan et al. 2020, eq. 2.2; PaLM, Chowdhery et
+    al. 2022, appendix B; nanoGPT's `estimate_mfu`): (N, L x H x Q) for FLOPs per token = 6 N + 12 L H Q T.
+    N: the non-embedding parameters (every parameter but those of the embedding tables, which a token looks
+    up rather than multiplies: word, position and token-type embeddings), 6 = 2 forward + 4 backward FLOPs per
+    parameter; L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their weighted
+    sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T positions."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in embeddings)
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return n, config.num_hidden_layers * heads * head_dim
+
+
+def flops_per_token(flops: tuple[int, int], positions: float) -> float:
+    """6 N + 12 L H Q T (model_flops) at T = `positions`, the mean padded sequence length."""
+    non_embedding, attention = flops
+    return 6 * non_embedding + 12 * attention * positions
+
+
+def throughput(
+    cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops: tuple[int, int], device: str
+):
     """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (after the warm-up), the
-    warm-up's own time, or the whole loop's figures when too few steps ran for a steady window."""
+    warm-up's own time, or the whole loop's figures when too few steps ran for a steady window. `flops`:
+    model_flops' (N, L H Q)."""
     world = len(ranks)
     warmup = warmup_steps(cfg)
     window = timer.window(warmup)
@@ -62,18 +86,22 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], num_p
     if window is not None:
         first, last, seconds = window
         steps, tokens = last - first + 1, sum(r["window_tokens"] for r in ranks)
+        padded = sum(r.get("window_padded_tokens", 0) for r in ranks)
         metrics["train_warmup_s"] = timer.starts_s[warmup] - timer.starts_s[0]
         basis = f"steps {first}-{last} (after {warmup} warm-up steps)"
     else:
         steps, tokens, seconds = cfg.train.max_steps, sum(r["tokens"] for r in ranks), runtime_s
+        padded = sum(r.get("padded_tokens", 0) for r in ranks)
         basis = f"steps 1-{steps} (the whole loop: fewer than {warmup + 2} steps, no steady window)"
     metrics["train_samples_per_second"] = steps * cfg.batch_size * world / seconds
     metrics["train_tokens_per_second"] = tokens / seconds
+    # T: the positions attention runs over, the batches' padded length
+    metrics["train_flops_per_token"] = flops_per_token(flops, padded / (steps * cfg.batch_size * world))
     peak, peak_source = peak_flops(device, cfg.train.precision, cache.root(cfg.outputs_dir))
     if peak:
         peak *= world
-        # training costs about 6 FLOPs per parameter per (non-padding) token: 2 forward, 4 backward
-        metrics.update(mfu=6 * num_params * tokens / seconds / peak, device_peak_tflops=peak / 1e12)
+        mfu = metrics["train_flops_per_token"] * tokens / seconds / peak
+        metrics.update(mfu=mfu, device_peak_tflops=peak / 1e12)
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
@@ -140,7 +168,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     warmup = warmup_steps(cfg)
     window = timer.window(warmup)
     tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
-    window_tokens = sum(real for real, _ in collate.batches[window[0] - 1 : window[1]]) if window else 0
+    steady = collate.batches[window[0] - 1 : window[1]] if window else []
+    window_tokens, window_padded = sum(r for r, _ in steady), sum(p for _, p in steady)
     ranks = distributed.gather_ranks(
         {
             "optimizer_state_bytes": state.bytes,
@@ -152,12 +181,14 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "tokens": tokens,
             "padded_tokens": padded_tokens,
             "window_tokens": window_tokens,
+            "window_padded_tokens": window_padded,
         },
         job_dir,
     )
     # (the loop's time less the validation passes inside it: eval.every_steps)
     runtime = out.train_runtime_s - timer.paused_s
-    speed, speed_tags = throughput(cfg, timer, runtime, ranks, num_params, out.device)
+    flops = model_flops(model)
+    speed, speed_tags = throughput(cfg, timer, runtime, ranks, flops, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
         # on CUDA the paged part of the state is not on the device (nor in the allocator's peak); under
@@ -183,6 +214,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     tokens = sum(r["tokens"] for r in ranks)
     metrics = {
         "model_num_params": num_params,
+        "model_num_nonembedding_params": flops[0],
         "optimizer_state_numel": state.numel,
         "optimizer_state_bytes": state.bytes,
         "optimizer_state_mb": state.mb,

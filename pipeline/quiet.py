@@ -8,7 +8,12 @@ What is left out by default, each at its source (never by hiding a stream, so er
 - torchao's "Failed to load .../torchao/_C*.so" warnings where torch sees no CUDA device (its CUDA kernels,
   loaded at import: `transformers.trainer` imports torchao for every job), logger `torchao`;
 - torch's "<enum ...> is an Enum subclass and is now natively supported" deprecation warnings, which torchao's
-  import triggers (logger `torch.utils._pytree`).
+  import triggers (logger `torch.utils._pytree`);
+- transformers' LOAD REPORT table (logger `transformers.modeling_utils`) when all it lists is the
+  classification head missing from a pretrained checkpoint, which fine-tuning a classifier expects: one line
+  naming the head instead (any other load report stays whole).
+
+These filters sit in the job processes and in the launching one (plan=true jobs run there).
 
 `log_level=info` (or `debug`), or `hydra.verbose=true`, brings all of it back. The launching process decides
 (job_env) and the job process follows (install, is_quiet).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 LEVEL_ENV = "PIPELINE_LOG_LEVEL"  # the job process's console level, set by the runner
@@ -70,10 +76,38 @@ def _no_cuda() -> bool:
     return torch is not None and not torch.cuda.is_available()
 
 
+# the classification heads AutoModelForSequenceClassification adds on top of a pretrained body
+HEADS = ("classifier.", "score.", "pre_classifier.")
+
+
+class _HeadReport(logging.Filter):
+    """transformers' LOAD REPORT whose every row is a classification head's key, MISSING (newly initialised):
+    one line instead of the table; any other report passes whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(record.msg))  # less its terminal colours
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [[c.strip() for c in line.split("|")] for line in text.splitlines() if "|" in line]
+        rows = [r for r in rows[1:] if r and not set(r[0]) <= {"-", "+"}]  # less the header and the rule
+        if not rows or any(r[1] != "MISSING" or not r[0].startswith(HEADS) for r in rows):
+            return True
+        found = re.search(r"(\w+) LOAD REPORT", text)
+        model = found[1] if found else "the model"
+        keys = ", ".join(r[0] for r in rows)
+        record.msg = (
+            f"{model}: the classification head ({keys}) is newly initialised, as fine-tuning a pretrained model "
+            "for classification expects (log_level=info shows transformers' load report)"
+        )
+        record.args = None
+        return True
+
+
 # logger -> the message it loses on a quiet console (and when)
 NOISE = {
     "torchao": ("Failed to load ", _no_cuda),
     "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported", lambda: True),
+    "torchao.kernel.intmm": ("Warning: Detected no triton", _no_cuda),  # triton's kernels are CUDA's
 }
 
 
@@ -86,3 +120,6 @@ def install(level: str | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
             logger.addFilter(_Drop(prefix, applies))
+    logger = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, _HeadReport) for f in logger.filters):
+        logger.addFilter(_HeadReport())

@@ -57,6 +57,10 @@ def job_params(cfg: DictConfig) -> dict:
         "seed": cfg.seed,
         "lr": learning_rate(cfg),
         "lr_scale": cfg.train.lr_scale,
+        # the optimizer's reference rate (conf/optim/<name>.yaml `lr`), and whether this job ran at it where
+        # a tuning sweep picked it (`lr_tuned: true`): the report names the optimizers that did not
+        "lr_reference": cfg.optim.lr,
+        "lr_tuned": bool(cfg.optim.get("lr_tuned", False)) and learning_rate(cfg) == cfg.optim.lr,
         "max_steps": cfg.train.max_steps,
         "max_length": cfg.train.max_length,
         "weight_decay": cfg.train.weight_decay,
@@ -194,6 +198,7 @@ def config_hash(cfg: DictConfig) -> str:
     point = OmegaConf.to_container(cfg, resolve=True)
     for key in ("outputs_dir", "tracking", "force", "launcher", "log_level"):
         point.pop(key, None)
+    point["optim"].pop("lr_tuned", None)  # where the reference rate came from, not a setting
     # keys added later count only when set, so points recorded before them are still recognised
     if point["train"].get("sharding") == "none":
         del point["train"]["sharding"]

@@ -148,21 +148,21 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     cfg = compose_cfg(*TINY, "train.max_steps=8", "batch_size=4", f"outputs_dir={tmp_path}")
     timer = StepTimer(torch.nn.Linear(1, 1))
     timer.starts_s = [0.0, 5.0, 6.0, 7.0, 7.5, 8.0, 8.5, 9.0]  # a slow first steps (compilation, tracker)
-    ranks = [{"tokens": 800, "window_tokens": 400}]
-    metrics, tags = measurements.throughput(
-        cfg, timer, runtime_s=9.5, ranks=ranks, num_params=10, device="cpu"
-    )
+    ranks = [{"tokens": 800, "window_tokens": 400, "padded_tokens": 1000, "window_padded_tokens": 480}]
+    flops = (10, 3)  # N = 10 non-embedding parameters, L H Q = 3
+    metrics, tags = measurements.throughput(cfg, timer, runtime_s=9.5, ranks=ranks, flops=flops, device="cpu")
     assert measurements.warmup_steps(cfg) == 3
     # steps 4-7: from the start of step 4 (7.0 s) to the start of step 8 (9.0 s)
     assert tags["throughput_steps"] == "steps 4-7 (after 3 warm-up steps)"
     assert metrics["train_samples_per_second"] == pytest.approx(4 * 4 / 2.0)
     assert metrics["train_tokens_per_second"] == pytest.approx(400 / 2.0)
     assert metrics["train_warmup_s"] == pytest.approx(7.0)
-    assert metrics["mfu"] == pytest.approx(6 * 10 * 400 / 2.0 / (metrics["device_peak_tflops"] * 1e12))
+    # 6 N + 12 L H Q T per token, T = 480 padded tokens / (4 steps x 4 sequences) = 30 positions
+    assert metrics["train_flops_per_token"] == 6 * 10 + 12 * 3 * 30
+    flops_per_s = (6 * 10 + 12 * 3 * 30) * 400 / 2.0
+    assert metrics["mfu"] == pytest.approx(flops_per_s / (metrics["device_peak_tflops"] * 1e12))
     timer.starts_s = timer.starts_s[:4]  # too few steps for a window: the whole loop
-    metrics, tags = measurements.throughput(
-        cfg, timer, runtime_s=9.5, ranks=ranks, num_params=10, device="cpu"
-    )
+    metrics, tags = measurements.throughput(cfg, timer, runtime_s=9.5, ranks=ranks, flops=flops, device="cpu")
     assert tags["throughput_steps"].startswith("steps 1-8 (the whole loop")
     assert metrics["train_samples_per_second"] == pytest.approx(8 * 4 / 9.5)
     assert "train_warmup_s" not in metrics

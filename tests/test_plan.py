@@ -49,6 +49,35 @@ def test_plan_jobs_record_the_parts_the_peak_and_the_largest_batch(plan_sweep):
     assert len(plan_csv.read_text().splitlines()) == 7
 
 
+def baseline_first(optim: str) -> tuple:
+    return optim != "adamw", optim
+
+
+def test_the_plan_ends_with_one_verdict_line_per_setting(plan_sweep):
+    """After the plan table: which optimizers fit the budget at the planned batch (largest batch first, the
+    largest named) and which do not, as the runs' metrics say."""
+    tmp, proc = plan_sweep
+    runs = sweep_runs(tmp)[1]
+    for model in ("tiny", "llama-tiny"):
+        mine = [r for r in runs if r.data.params["model"] == model]
+        fit = sorted(
+            (r for r in mine if r.data.metrics["fits"] == 1),
+            # largest first; a tie in the plan table's order (the baseline adamw first, then by name)
+            key=lambda r: (
+                -r.data.metrics["predicted_max_batch_size"],
+                *baseline_first(r.data.params["optim"]),
+            ),
+        )
+        sizes = [f"{r.data.params['optim']} ({int(r.data.metrics['predicted_max_batch_size'])})" for r in fit]
+        if sizes:
+            sizes[0] = sizes[0].replace("(", "(largest ", 1)
+        line = f"fits 60 MB at batch 16 (model {model}): {', '.join(sizes) or 'none'}"
+        no = [r.data.params["optim"] for r in mine if r.data.metrics["fits"] == 0]
+        no = sorted(no, key=baseline_first)
+        line += f"; does not fit: {', '.join(no)}" if no else ""
+        assert proc.stdout.count(line) == 1, (line, proc.stdout[-3000:])
+
+
 def direct(monkeypatch, config, spec, cfg, batch: int, cuda: bool = False) -> dict:
     """The step simulated as it is, without extrapolating: every layer, at this very batch size (a batch of
     one is simulated itself anyway)."""

@@ -103,10 +103,19 @@ def test_a_rate_with_a_collapsed_run_is_not_chosen_while_another_has_none():
     adamw = row(tuned_section(jobs).table, "adamw")
     assert adamw["best lr"] == 1e-5  # not 1e-4, the higher mean, where one run collapsed
     assert adamw["collapsed [runs]"] == 1
-    # every rate with a collapsed run: the best mean among them all
+    # every rate with a collapsed run: no best, no figures, no target taken from it
     jobs["collapsed"] = True
-    adamw = row(tuned_section(jobs).table, "adamw")
-    assert adamw["best lr"] == 1e-4 and adamw["collapsed [runs]"] == 6
+    jobs = pd.concat([jobs, jobs_of({("adafactor", 1e-3): [0.7, 0.72]})], ignore_index=True)
+    jobs["collapsed"] = jobs.collapsed.astype(bool)
+    tuned = tuned_section(jobs)
+    adamw = row(tuned.table, "adamw")
+    assert pd.isna(adamw["best lr"]) and adamw["collapsed [runs]"] == 6 and not adamw["learned"]
+    assert pd.isna(adamw["test macro-F1 [0-1]"]) and adamw["n [seeds]"] == 0
+    # the target: 0.97 x the best mean of the rates that learned (adafactor's 0.71), not adamw's 0.905
+    assert row(tuned.table, "adafactor")["target [0-1]"] == pytest.approx(0.97 * 0.71)
+    shown = report.format_tuned(tuned.table).set_index("optimizer")
+    assert shown.loc["adamw", "best lr"] == "no rate learned at this budget"
+    assert shown.loc["adamw", "steps to target [steps]"] == ""
 
 
 def test_collapsed_is_read_from_the_tag_as_a_bool_and_empty_where_not_logged():

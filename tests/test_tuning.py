@@ -110,7 +110,7 @@ def test_validation_series_rates_and_collapse_are_recorded(tuning_sweep):
 
 def test_the_report_picks_each_optimizers_best_validation_rate_and_reports_its_test_runs(tuning_sweep):
     """The tuned table against the sweep's MLflow runs, computed here independently: per optimizer, the rate
-    with the best mean val_macro_f1 over seeds (among rates without a collapsed run, while there is one), and
+    with the best mean val_macro_f1 over seeds among rates without a collapsed run (none where all collapsed), and
     the test macro-F1 of that rate's runs."""
     import pandas as pd
 
@@ -132,10 +132,35 @@ def test_the_report_picks_each_optimizers_best_validation_rate_and_reports_its_t
     )
     for optim, by_optim in frame.groupby("optim"):
         per_rate = by_optim.groupby("lr").agg(val=("val", "mean"), collapsed=("collapsed", "any"))
-        eligible = per_rate[~per_rate.collapsed] if (~per_rate.collapsed).any() else per_rate
+        eligible = per_rate[~per_rate.collapsed]
+        if eligible.empty:  # every rate collapsed: no best is named
+            assert pd.isna(tuned.loc[optim, "best lr"]) and not tuned.loc[optim, "learned"]
+            continue
         best = eligible.val.idxmax()
         assert tuned.loc[optim, "best lr"] == pytest.approx(best)
         at_best = by_optim[by_optim.lr == best]
         assert tuned.loc[optim, "test macro-F1 [0-1]"] == pytest.approx(at_best.test.mean())
         assert tuned.loc[optim, "n [seeds]"] == len(at_best) == 2
-    assert (out / "val_vs_lr.png").exists() and (out / "val_curves.png").exists()
+    assert (out / "val_vs_lr.png").exists()
+    # the curves of the best rates: none where no rate learned
+    assert (out / "val_curves.png").exists() == bool(tuned["learned"].any())
+
+
+def test_collapsed_runs_are_marked_in_the_console_and_never_chosen(tuning_sweep):
+    """The sweep's own console: a comparison row whose runs collapsed reads `sgd (collapsed ...)`, and where
+    every rate collapsed the tuned table names no best rate; both against the runs' tags."""
+    tmp, proc = tuning_sweep
+    by_rate = {}
+    for r in sweep_runs(tmp)[1]:
+        by_rate.setdefault(float(r.data.params["lr"]), []).append(r.data.tags["collapsed"] == "true")
+    expected = sorted(
+        "sgd (collapsed)" if all(flags) else f"sgd (collapsed {sum(flags)} of {len(flags)})"
+        for flags in by_rate.values()
+        if any(flags)
+    )
+    out = proc.stdout
+    assert sorted(re.findall(r"sgd \(collapsed(?: \d+ of \d+)?\)", out)) == expected, out[-3000:]
+    nothing = all(all(flags) for flags in by_rate.values())
+    assert ("no rate learned at this budget" in out) == nothing, out[-3000:]
+    note = "(collapsed): the run's predictions fell (nearly) all in one class"
+    assert (note in out) == bool(expected)

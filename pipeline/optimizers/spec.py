@@ -182,11 +182,12 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def settings(cfg) -> dict:
-    """The optimizer's settings from its conf/optim file (and overrides): every key but `name` and `lr`."""
+    """The optimizer's settings from its conf/optim file (and overrides): every key but `name`, `lr` and
+    `lr_tuned` (whether a tuning sweep picked that rate)."""
     from omegaconf import OmegaConf
 
     chosen = OmegaConf.to_container(cfg.optim, resolve=True)
-    return {k: v for k, v in chosen.items() if k not in ("name", "lr")}
+    return {k: v for k, v in chosen.items() if k not in ("name", "lr", "lr_tuned")}
 
 
 def optim_args(**values) -> str:

@@ -42,6 +42,7 @@ COLUMNS = {
 }
 DELTAS = {"state": "state [MB]", "peak": "peak [MB]"}
 SEEDS = "n [seeds]"
+COLLAPSED = "collapsed [runs]"  # of a row's runs, those whose predictions fell (nearly) all in one class
 KEY_LABELS = {
     "optim": "optimizer",
     "batch_size": "batch size [samples]",
@@ -57,6 +58,8 @@ CONSOLE = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval loss 
 CONSOLE += ["throughput [samples/s]"]
 LEGEND = {
     "n [seeds]": "finished jobs (seeds) behind the row; with n > 1 every value is mean ± sample std (ddof=1)",
+    "collapsed [runs]": "runs of the row whose predictions fell (nearly) all in one class (tag `collapsed`); "
+    "such a row's optimizer reads `adamw (collapsed)` (every run) or `adamw (collapsed 1 of 3)` in every table",
     "state [MB]": "measured optimizer state after the last step (`optimizer_state_mb`, MB = 2^20 bytes)",
     "estimated state [MB]": "analytic state size from the parameter shapes (`estimated_optimizer_state_mb`)",
     "Δ state [MB], [%]": "state minus the baseline's state in the same model / batch size / backend / precision group, "
@@ -83,7 +86,8 @@ LEGEND = {
     "(`train_samples_per_second`; the tag `throughput_steps` names the steps)",
     "throughput [tokens/s]": "non-padding training tokens per second over the steady steps (`train_tokens_per_second`)",
     "padding [0-1]": "share of the training batches' tokens that are padding (`padding_fraction`)",
-    "MFU [0-1]": "model FLOPs utilisation: 6 × parameters × tokens/s against the device's peak for the precision",
+    "MFU [0-1]": "model FLOPs utilisation: (6 × non-embedding parameters + 12 × layers × attention width × "
+    "sequence length) FLOPs per token × tokens/s against the device's peak for the precision (docs/metrics.md)",
     "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
 }
 # the tuned section: the quality metric that picks each optimizer's rate (val_<metric> on the validation
@@ -102,7 +106,9 @@ TUNED_LEGEND = {
     "chosen while another rate has none; ties go to the smaller rate",
     "edge": "the best rate is the lowest or highest tried: the optimum may lie outside the grid, "
     "widen it there",
-    "collapsed [runs]": "runs (all rates) whose predictions are (nearly) all one class (tag `collapsed`)",
+    "collapsed [runs]": "runs whose predictions are (nearly) all one class (tag `collapsed`): in the comparison "
+    "those of the row, in the tuned table those of all rates; a rate with one is never chosen, and an optimizer "
+    "whose every rate has one reads `no rate learned at this budget`",
     "val <metric> [0-1]": "the selection metric at the best rate (validation split)",
     "test macro-F1 / F1 [0-1]": "at the best rate, on the held-out test split (`eval_macro_f1`, `eval_f1`)",
     "Δ test <metric> [0-1]": "test metric minus the baseline's, each at its own best rate",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.report.columns import PHASES
+from pipeline.report.columns import COLLAPSED, PHASES
 from pipeline.report.tables import pareto_front, peak_phase, point_columns
 from pipeline.report.tuned import tuned_points
 
@@ -207,10 +207,20 @@ def plot_f1_peak(
     x = "peak [MB]"
     fig, ax = _figure()
     points = table.assign(label=_labels(table, point_columns(table)), front=pareto_front(table, x, y))
+    # a row with a collapsed run (predictions all one class): a hollow marker, named in the legend
+    hollow = points.get(COLLAPSED, pd.Series(0, index=points.index)).fillna(0).gt(0)
     for optim, rows in points.groupby("optim", sort=False):
-        ax.errorbar(
-            rows[x], rows[y], rows[f"{y} std"], rows[f"{x} std"], "o", color=colors[optim], label=optim
-        )
+        for empty, part in rows.groupby(hollow[rows.index]):
+            ax.errorbar(
+                part[x],
+                part[y],
+                part[f"{y} std"],
+                part[f"{x} std"],
+                "o",
+                color=colors[optim],
+                mfc="none" if empty else colors[optim],
+                label=f"{optim} (collapsed: hollow)" if empty else optim,
+            )
     front = points[points.front].sort_values(x)
     ax.plot(front[x], front[y], "k--", drawstyle="steps-post", lw=1, label="Pareto front")
     ax.scatter(front[x], front[y], s=220, facecolors="none", edgecolors="k", lw=1.2)

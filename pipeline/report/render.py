@@ -52,6 +52,7 @@ from pipeline.report.tables import (
     _fmt,
     _optimizer_order,
     _plain,
+    collapsed_note,
     compare,
     console_table,
     decision_table,
@@ -63,9 +64,18 @@ from pipeline.report.tables import (
     pareto_front,
     plan_display,
     plan_table,
+    plan_verdict,
     point_columns,
 )
-from pipeline.report.tuned import Tuned, format_tuned, is_tuned, rate_note, tuned_console, tuned_section
+from pipeline.report.tuned import (
+    Tuned,
+    format_tuned,
+    is_tuned,
+    off_reference,
+    rate_note,
+    tuned_console,
+    tuned_section,
+)
 
 
 def _markdown(frame: pd.DataFrame) -> str:
@@ -224,6 +234,7 @@ def write_report(
     plots = {file: caption for file, caption in captions.items() if (out / file).exists()}
     shown, failed = format_table(table), failed_table(jobs)
     lead, shared = decision_table(table) if len(table) else (pd.DataFrame(), "")
+    marked = collapsed_note(table) if len(table) else None
     details_title = "All columns"
     front = "none"
     if not quality.empty:
@@ -259,7 +270,9 @@ def write_report(
     md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
+        md += [*[f"- {line}" for line in plan_verdict(plans)], ""]
     md += ["## Comparison", "", _markdown(lead) if len(lead) else "No finished training jobs.", ""]
+    md += [marked, ""] if marked else []
     if len(shown):
         md += [f"({shared})", ""] if shared else []
         md += [f"### {details_title}", "", _markdown(shown), ""]
@@ -289,9 +302,10 @@ def write_report(
         return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
 
     items = "".join(f"<li>{code(line)}</li>" for line in about)
-    details_html = ""
+    verdict_html = "<ul>" + "".join(f"<li>{code(line)}</li>" for line in plan_verdict(plans)) + "</ul>"
+    details_html = f"<p>{code(marked)}</p>" if marked else ""
     if len(shown):  # every column, one click away (a wide table: it scrolls, the page does not)
-        details_html = f"<p>{html.escape(f'({shared})')}</p>" if shared else ""
+        details_html += f"<p>{html.escape(f'({shared})')}</p>" if shared else ""
         details_html += f"<details><summary>{details_title} ({len(shown.columns)})</summary>"
         details_html += f'<div class="wide">{table_html(shown)}</div></details>'
     tuned_html = ""
@@ -317,7 +331,7 @@ details {{ margin-bottom: 1.5em; }}
 summary {{ cursor: pointer; color: #1f4e99; margin-bottom: 0.5em; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
-{f"<h2>{plan_title}</h2><p>{plan_note}</p>{table_html(plan_display(plans))}" if len(plans) else ""}
+{f"<h2>{plan_title}</h2><p>{plan_note}</p>{table_html(plan_display(plans))}{verdict_html}" if len(plans) else ""}
 <h2>Comparison</h2>{table_html(lead, "No finished training jobs.")}{details_html}{tuned_html}
 {f"<h2>{html.escape(fit_title)}</h2><p>{fit_note}</p>{table_html(_plain(fits))}" if len(fits) else ""}
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
@@ -333,17 +347,23 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
     """What a sweep and `make report` print: the short table, the tuned one when rates were tuned, and the
     largest batches when searched."""
     text = console_table(table) if len(table) else "no finished training jobs"
-    note = f1_note(pd.read_csv(out / "runs.csv")) if len(table) and (out / "runs.csv").exists() else None
+    text += f"\n{collapsed_note(table).replace('`', '')}" if len(table) and collapsed_note(table) else ""
+    jobs = pd.read_csv(out / "runs.csv") if len(table) and (out / "runs.csv").exists() else None
+    note = f1_note(jobs) if jobs is not None else None
     text += f"\n({note.replace('`', '')})" if note else ""
+    off = off_reference(jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]) if jobs is not None else None
+    text += f"\n{off}" if off else ""
     if (out / "tuned.csv").exists():
         tuned = pd.read_csv(out / "tuned.csv")
         text += "\n\ntuned learning rate (each optimizer at its best validation rate; test split):\n"
         text += tuned_console(tuned)
     if (out / "plan.csv").exists():
         plans = pd.read_csv(out / "plan.csv")
+        verdict = "".join(f"\n{line}" for line in plan_verdict(plans))
         text = (
             ("" if len(table) else "plan:\n")
             + plan_display(plans).to_string(index=False)
+            + verdict
             + ("\n\n" + text if len(table) else "")
         )
     if (out / "fits.csv").exists():  # a sweep of searches only: their table is the whole story
@@ -398,7 +418,7 @@ def build(
     about = _about(uri, parents, jobs, baseline, status)
     pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))
     notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), *variant_notes(training)]
-    notes.append(rate_note(training, quality_metric))
+    notes += [rate_note(training, quality_metric), off_reference(training)]
     about += [note for note in notes if note]
     history = loss_history(uri, jobs)
     validation = None

@@ -7,6 +7,7 @@ import pandas as pd
 
 from pipeline.report.columns import (
     BASELINE,
+    COLLAPSED,
     COLUMNS,
     CONSOLE,
     DECISION,
@@ -48,9 +49,25 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     values = done.reindex(columns=list(COLUMNS.values())).astype(float)
     values.columns = list(COLUMNS)
     grouped = pd.concat([done[keys], values], axis=1).groupby(keys, dropna=False)
+    # runs whose predictions fell (nearly) all in one class (tag `collapsed`): their quality figures are the
+    # class balance's, not a trained model's
+    collapsed = done.collapsed.astype("boolean").fillna(False).astype(int) if "collapsed" in done else 0
+    runs_collapsed = done[keys].assign(c=collapsed).groupby(keys, dropna=False).c.sum().rename(COLLAPSED)
     table = pd.concat(
-        [grouped.size().rename(SEEDS), grouped.mean(), grouped.std(ddof=1).add_suffix(" std")], axis=1
+        [
+            grouped.size().rename(SEEDS),
+            runs_collapsed,
+            grouped.mean(),
+            grouped.std(ddof=1).add_suffix(" std"),
+        ],
+        axis=1,
     ).reset_index()
+    rate = []
+    if "lr" not in keys and done.lr.nunique() > 1:
+        # the rows ran at different rates (each optimizer at its own): the rate is a column, so the table
+        # never reads as a comparison at one rate
+        rate = ["lr"]
+        table = table.merge(done.groupby(keys, dropna=False).lr.first().reset_index(), on=keys, how="left")
     # Δ against the baseline optimizer of the same group (empty where the group has no finished baseline)
     group, by = keys[:-1], keys
     baselines = table[table.optim == baseline]
@@ -73,8 +90,10 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     table["optim"] = table.optim.astype(str)
     order = [
         *keys,
+        *rate,
         "variant",
         SEEDS,
+        COLLAPSED,
         "state [MB]",
         "estimated state [MB]",
         "Δ state [MB]",
@@ -94,6 +113,21 @@ def pareto_front(table: pd.DataFrame, x: str = "peak [MB]", y: str = "eval F1 [0
     return pd.Series(~beats.any(axis=1), index=points.index).reindex(table.index, fill_value=False)
 
 
+def collapsed_mark(collapsed: int, runs: int) -> str:
+    """`collapsed` when every run of a row collapsed to one class, else `collapsed 1 of 3`."""
+    return "collapsed" if collapsed >= runs else f"collapsed {int(collapsed)} of {int(runs)}"
+
+
+def collapsed_note(table: pd.DataFrame) -> str | None:
+    """The line under a table whose rows carry `(collapsed)`; None when no run collapsed."""
+    if COLLAPSED not in table or not table[COLLAPSED].fillna(0).gt(0).any():
+        return None
+    return (
+        "(collapsed): the run's predictions fell (nearly) all in one class (tag `collapsed`, eval.collapse_share): "
+        "its F1 and accuracy measure the class balance, not a trained model"
+    )
+
+
 def _fmt(value, spec: str = ".4g") -> str:
     return "" if pd.isna(value) else format(value, spec)
 
@@ -109,9 +143,15 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
             f"{o} ({v})" if isinstance(v, str) and v else o
             for o, v in zip(out[optimizer], table.variant, strict=True)
         ]
+    if COLLAPSED in table and table[COLLAPSED].fillna(0).gt(0).any():  # `adamw (collapsed)` wherever it shows
+        optimizer = KEY_LABELS["optim"]
+        out[optimizer] = [
+            f"{o} ({collapsed_mark(c, n)})" if c > 0 else o
+            for o, c, n in zip(out[optimizer], table[COLLAPSED].fillna(0), table[SEEDS], strict=True)
+        ]
     out[SEEDS] = table[SEEDS]
     after = table.columns[table.columns.get_loc(SEEDS) + 1 :]
-    for column in columns or [c for c in after if not c.endswith(" std")]:
+    for column in columns or [c for c in after if not c.endswith(" std") and c != COLLAPSED]:
         spec = "+.4g" if column.startswith("Δ") else ".4g"
         std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
         out[column] = [
@@ -206,6 +246,37 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     table = table.sort_values(keys, ignore_index=True)
     table["optim"] = table.optim.astype(str)
     return table.rename(columns={**KEY_LABELS, "gradient_checkpointing": "checkpointing"})
+
+
+def plan_verdict(plans: pd.DataFrame) -> list[str]:
+    """One line per planned setting (model, precision, batch, device ... besides the optimizer) with a budget:
+    `fits h100-80gb at batch 4: adafactor (largest 76), adamw_8bit (42); does not fit: adamw`."""
+    if plans.empty or "fits" not in plans:
+        return []
+    optimizer, batch = KEY_LABELS["optim"], KEY_LABELS["batch_size"]
+    largest = "largest batch [samples]"
+    keys = [
+        c for c in plans.columns[: plans.columns.get_loc(optimizer)] if plans[c].nunique(dropna=False) > 1
+    ]
+    lines = []
+    for _, rows in plans.groupby(keys, dropna=False, sort=False) if keys else [((), plans)]:
+        first = rows.iloc[0]
+        device = first.get("device_memory")
+        where = device if isinstance(device, str) else f"{_readable(first['budget [MB]'])} MB"
+        setting = ", ".join(f"{k} {first[k]}" for k in keys if k != batch)
+        fit = rows[rows.fits.eq("yes")]
+        if largest in rows and fit[largest].notna().any():
+            fit = fit.sort_values(largest, ascending=False, kind="stable")
+        sizes = [
+            f"{o} ({'largest ' if i == 0 else ''}{int(n)})" if pd.notna(n) else str(o)
+            for i, (o, n) in enumerate(zip(fit[optimizer], fit.get(largest, [None] * len(fit)), strict=True))
+        ]
+        lead = f"fits {where} at batch {first[batch]}" + (f" ({setting})" if setting else "")
+        no = rows[rows.fits.ne("yes")][optimizer].tolist()
+        lines.append(
+            f"{lead}: {', '.join(sizes) or 'none'}" + (f"; does not fit: {', '.join(no)}" if no else "")
+        )
+    return lines
 
 
 def console_table(table: pd.DataFrame) -> str:

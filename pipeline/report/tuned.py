@@ -32,6 +32,7 @@ from pipeline.report.tables import _optimizer_order, format_table, point_columns
 
 # a mean over seeds that equals the target up to rounding reaches it
 TOLERANCE = 1e-12
+NOT_LEARNED = "no rate learned at this budget"  # the best lr of an optimizer whose every rate collapsed
 
 
 class Tuned(NamedTuple):
@@ -92,6 +93,34 @@ def rate_note(jobs: pd.DataFrame, metric: str = QUALITY) -> str | None:
     )
 
 
+def off_reference(jobs: pd.DataFrame) -> str | None:
+    """The line naming the optimizers whose finished training jobs ran at a rate other than a tuned reference
+    (param `lr_tuned`: the rate a tuning sweep picked for it, conf/optim `lr_tuned: true`): `custom at 5e-05
+    (its reference, untuned)`, `adamw at 0.0005 (its reference 0.000158)`. None where every one ran at its tuned
+    rate, where rates were tuned in this sweep (the tuned section says), or for runs that do not say."""
+    done = jobs[jobs.status == "FINISHED"]
+    if "lr_tuned" not in done or done.empty or is_tuned(done):
+        return None
+    said = done[done.lr_tuned.notna()]
+    off = said[said.lr_tuned.astype(str).ne("True")]
+    if off.empty:
+        return None
+    names = []
+    for (optim, lr), runs in off.groupby(["optim", "lr"], sort=False):
+        reference = runs.reindex(columns=["lr_reference"]).lr_reference.iloc[0]
+        if pd.isna(reference):
+            why = "reference unknown"
+        elif float(reference) == float(lr):
+            why = "its reference, untuned"
+        else:
+            why = f"its reference {float(reference):g}"
+        names.append(f"{optim} at {float(lr):g} ({why})")
+    return (
+        "off a tuned learning rate: " + ", ".join(names) + "; their quality figures compare rates as much as "
+        "optimizers (docs/tuning.md)"
+    )
+
+
 def rate_table(jobs: pd.DataFrame, metric: str = QUALITY) -> pd.DataFrame:
     """One row per (point, optimizer, learning rate): its lr scale, finished runs, the validation metric's
     n, mean and sample std over seeds, and how many of the runs collapsed to one class."""
@@ -119,14 +148,14 @@ def _sorted(frame: pd.DataFrame, keys: list[str], baseline: str = BASELINE) -> p
 
 def select_best(rates: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Per (point, optimizer) in `keys`: the rate with the highest mean validation value over seeds, among
-    the rates without a collapsed run while there is one (a run that predicts one class can still score a
-    fair mean on a skewed split); ties go to the smaller rate. Beside it: the rates tried (text), `edge`:
-    "lowest" / "highest" when the best is at that end of two or more rates (the optimum may lie outside the
-    grid), and `collapsed_runs` over all rates. A (point, optimizer) with no validation value has no best."""
+    the rates without a collapsed run (a run that predicts one class can still score a fair mean on a skewed
+    split); ties go to the smaller rate. Beside it: the rates tried (text), `edge`: "lowest" / "highest" when
+    the best is at that end of two or more rates (the optimum may lie outside the grid), `collapsed_runs`
+    over all rates and `learned`: whether some rate had no collapsed run. A (point, optimizer) with no such
+    rate, or no validation value, has no best."""
     rates = rates.sort_values([*keys, "lr"], ignore_index=True)
     scored = rates[rates["mean"].notna()].assign(clean=lambda f: f.collapsed.eq(0))
-    some_clean = scored.groupby(keys, dropna=False).clean.transform("any")
-    candidates = scored[scored.clean | ~some_clean]
+    candidates = scored[scored.clean]
     best = candidates.loc[candidates.groupby(keys, dropna=False)["mean"].idxmax()]
     grid = rates.groupby(keys, dropna=False).agg(
         tried=("lr", lambda lr: ", ".join(f"{r:g}" for r in sorted(lr.dropna().unique()))),
@@ -134,6 +163,7 @@ def select_best(rates: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         high=("lr", "max"),
         count=("lr", "nunique"),
         collapsed_runs=("collapsed", "sum"),
+        learned=("collapsed", lambda c: bool(c.eq(0).any())),
     )
     chosen = grid.reset_index().merge(best.drop(columns=["clean", "collapsed"]), on=keys, how="left")
     several = chosen["count"] >= 2
@@ -234,7 +264,7 @@ def tuned_section(
         "peak [MB]": "peak_memory_mb",
     }
     table = (
-        best[[*keys, "tried", "lr", "lr_scale", "edge", "collapsed_runs", "target"]]
+        best[[*keys, "tried", "lr", "lr_scale", "edge", "collapsed_runs", "learned", "target"]]
         .merge(runs.groupby(keys, dropna=False).size().rename(SEEDS).reset_index(), on=keys, how="left")
         .merge(_mean_std(runs, keys, figures), on=keys, how="left")
         .merge(against_baseline(runs, points, test, baseline), on=keys, how="left")
@@ -257,7 +287,7 @@ def tuned_section(
     table[SEEDS] = table[SEEDS].fillna(0).astype(int)
     if table["best lr scale"].isna().all():
         table = table.drop(columns="best lr scale")
-    order = [*keys, SEEDS, "rates tried", "best lr", "best lr scale", "edge", "collapsed [runs]"]
+    order = [*keys, SEEDS, "rates tried", "best lr", "best lr scale", "edge", "collapsed [runs]", "learned"]
     order += [f"val {name} [0-1]", *tests, f"Δ test {name} [0-1]", "p (Welch)", "n vs baseline [seeds]"]
     order += ["state [MB]", "peak [MB]", "target [0-1]", "steps to target [steps]", "target reached"]
     table = table[[c for column in order for c in (column, f"{column} std") if c in table]]
@@ -270,15 +300,20 @@ def tuned_section(
 def format_tuned(table: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
     """The tuned table for people: numbers as the comparison's (± std where there is one), the text
     columns as they are, "not reached" where a series never reached the target."""
-    text = ["rates tried", "edge", "n vs baseline [seeds]", "target reached"]
+    text = ["rates tried", "edge", "n vs baseline [seeds]", "target reached", "learned"]
     numbers = [c for c in table.columns[table.columns.get_loc(SEEDS) + 1 :] if not c.endswith(" std")]
     shown = format_table(table, [c for c in numbers if c not in text])
+    # the figures are the best rate's, never a collapsed run's: the optimizer needs no mark here
+    shown[KEY_LABELS["optim"]] = table.optim.to_numpy()
     for column in text[:3]:
         shown[column] = table[column].fillna("")
+    if "learned" in table:  # every rate had a collapsed run: no best to name
+        shown["best lr"] = shown["best lr"].where(table.learned.ne(False), NOT_LEARNED)
     steps = "steps to target [steps]"
     shown[steps] = shown[steps].where(table["target reached"].ne(False).fillna(True), "not reached")
     keys = [KEY_LABELS.get(c, c) for c in table.columns[: table.columns.get_loc(SEEDS)]]
-    return shown[[*keys, SEEDS, *[c for c in columns or numbers if c not in ("target reached", SEEDS)]]]
+    hidden = ("target reached", "learned", SEEDS)
+    return shown[[*keys, SEEDS, *[c for c in columns or numbers if c not in hidden]]]
 
 
 def tuned_console(table: pd.DataFrame) -> str:
