@@ -186,6 +186,7 @@ def test_cfg_job_shows_every_optimizer_setting(tmp_path):
     assert OmegaConf.to_container(shown) == {
         "name": "adafactor",
         "lr": 1.58e-4,
+        "lr_tuned": True,
         "eps": [1e-30, 0.001],
         "clip_threshold": 1.0,
         "decay_rate": -0.8,
@@ -502,8 +503,12 @@ def test_a_rerun_of_recorded_points_prints_their_table_and_refers_to_their_runs(
     (first, runs), (rerun, none), _ = reruns["sweeps"]
     out = reruns["procs"][1].stdout
     assert "[sweep] 0 jobs: 0 finished, 0 failed, 2 skipped (FINISHED before)" in out
-    assert re.search(r"^\s*tiny .* adamw\s+1 ", out, re.MULTILINE), out  # the recorded results' table
-    assert re.search(r"^\s*tiny .* adamw_8bit \(Trainer: fp32 embedding state\)\s+1 ", out, re.MULTILINE)
+    # the recorded results' table (their rates differ: an lr column; a collapsed run is marked)
+    assert re.search(r"^\s*tiny .* adamw(?: \(collapsed\))?\s+0\.000158\s+1 ", out, re.MULTILINE), out
+    eight_bit = (
+        r"^\s*tiny .* adamw_8bit \(Trainer: fp32 embedding state\)(?: \(collapsed\))?\s+0\.000050\s+1 "
+    )
+    assert re.search(eight_bit, out, re.MULTILINE)
     assert "eval F1 is the F1 of class 1, pos (classes 0 = neg, 1 = pos" in out
     # the parent is closed as a reference to the runs it found, with their report
     assert none == {} and rerun.info.status == "FINISHED"
@@ -592,8 +597,9 @@ def test_the_report_says_which_class_f1_is_for_and_names_the_trainer_variant(rer
     report = (reruns["tmp"] / "report" / first.info.run_name / "report.md").read_text()
     assert "eval F1 is the F1 of class 1, `pos` (classes 0 = neg, 1 = pos; param `label_names`)" in report
     comparison = report.split("## Comparison")[1].split("###")[0]
-    assert "| adamw_8bit (Trainer: fp32 embedding state) |" in comparison
-    assert "| adamw |" in comparison  # the plain one: no label
+    # (a collapsed run's row is marked so)
+    assert re.search(r"\| adamw_8bit \(Trainer: fp32 embedding state\)(?: \(collapsed\))? \|", comparison)
+    assert re.search(r"\| adamw(?: \(collapsed\))? \|", comparison)  # the plain one: no Trainer label
     assert (
         "`adamw_8bit (Trainer: fp32 embedding state)`: the Trainer's bitsandbytes 8-bit path keeps" in report
     )
@@ -670,7 +676,7 @@ UNKNOWN_KEYS = [
     ),
     (
         ["-m", "optim=adamw,adafactor", "optim.beta1=0.9"],
-        "optim.beta1=0.9 is invalid: no key beta1 in optim=adamw (its keys: name, lr, betas, eps, amsgrad); "
+        "optim.beta1=0.9 is invalid: no key beta1 in optim=adamw (its keys: name, lr, lr_tuned, betas, eps, amsgrad); "
         "did you mean optim.betas?",
     ),
 ]
