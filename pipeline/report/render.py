@@ -63,6 +63,7 @@ from pipeline.report.tables import (
     pareto_front,
     plan_display,
     plan_table,
+    plan_verdict,
     point_columns,
 )
 from pipeline.report.tuned import Tuned, format_tuned, is_tuned, rate_note, tuned_console, tuned_section
@@ -254,11 +255,13 @@ def write_report(
     plan_title = "Plan: a training step's memory, predicted"
     plan_note = (
         "(plan=true: the step simulated on fake tensors, no weights, nothing trained; the parts at the "
-        "predicted peak; fits = predicted peak within the budget; MB = 2^20 bytes)"
+        "predicted peak (the largest rank's, for several ranks); fits = predicted peak within the budget; ranks "
+        "needed = the smallest number of ranks at which the batch fits with that sharding; MB = 2^20 bytes)"
     )
     md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
+        md += [*[f"**Verdict**: {line}" for line in plan_verdict(plans)], ""]
     md += ["## Comparison", "", _markdown(lead) if len(lead) else "No finished training jobs.", ""]
     if len(shown):
         md += [f"({shared})", ""] if shared else []
@@ -344,6 +347,7 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
         text = (
             ("" if len(table) else "plan:\n")
             + plan_display(plans).to_string(index=False)
+            + "".join(f"\nverdict: {line}" for line in plan_verdict(plans))
             + ("\n\n" + text if len(table) else "")
         )
     if (out / "fits.csv").exists():  # a sweep of searches only: their table is the whole story
