@@ -36,7 +36,7 @@ MODELS = {
     "distilbert-base-cased": (2, ["model.pretrained=false"]),
 }
 GOAL_PCT = 5.0
-UNMEASURED = {"fsdp": "not measured: our accelerator loop runs FSDP on CUDA only (no GPU here)"}
+UNMEASURED = {"fsdp": "our accelerator loop runs FSDP on CUDA only (no GPU here)"}
 
 
 def sweep(model: str, optims: str, shardings: str, world: int, steps: int, work: Path) -> list[dict]:
