@@ -210,8 +210,12 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     if "world_size" in table:  # a param: text; ranks sort as numbers
         table["world_size"] = table.world_size.astype(int)
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    if "sharding" in table:  # from the least sharded to the most
+        table["sharding"] = pd.Categorical(table.sharding, ["none", "zero1", "zero2", "fsdp"])
     table = table.sort_values(keys, ignore_index=True)
     table["optim"] = table.optim.astype(str)
+    if "sharding" in table:
+        table["sharding"] = table.sharding.astype(str)
     labels = {**KEY_LABELS, "gradient_checkpointing": "checkpointing", "world_size": "ranks"}
     return table.rename(columns=labels)
 
@@ -222,12 +226,18 @@ def _ranks_phrase(rows: pd.DataFrame) -> str:
     if need.empty:
         return "fits on no number of ranks tried (up to 4096)"
     n = int(need["ranks needed"].min())
-    best = need[need["ranks needed"] == n]
-    batch = int(best["largest batch there [samples]"].max())
+    best = need[need["ranks needed"] == n].sort_values("largest batch there [samples]", ascending=False)
+    batch = int(best["largest batch there [samples]"].iloc[0])
     if n == 1:
         return f"fits on 1 (largest batch {batch}/rank)"
-    shardings = " or ".join(dict.fromkeys(best["sharding"].astype(str))) if "sharding" in best else ""
-    return f"needs {n}" + (f" with {shardings}" if shardings else "") + f" (largest batch there {batch}/rank)"
+    if "sharding" not in best:
+        return f"needs {n} (largest batch there {batch}/rank)"
+    each = best.drop_duplicates("sharding")
+    ways = " or ".join(
+        f"{s} ({int(b)}/rank)"
+        for s, b in zip(each["sharding"], each["largest batch there [samples]"], strict=True)
+    )
+    return f"needs {n} with {ways}"
 
 
 def plan_verdict(table: pd.DataFrame) -> list[str]:
