@@ -29,7 +29,7 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table
+.PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy plan-accuracy-ranks fit-table optimizer-table
 
 install: $(VENV)/.installed
 
@@ -78,6 +78,16 @@ test-gpu: install
 # -> docs/plan-accuracy.md and .csv; run it again to measure only what is still missing
 plan-accuracy: install
 	$(BIN)/python -m bench.plan_accuracy
+
+# each rank's predicted peak against its measured one: real 2-rank CPU jobs (torchrun, gloo), tiny, llama-tiny and
+# distilbert x adamw, adafactor x DDP, ZeRO-1 -> the per-rank section of docs/plan-accuracy.md and its .csv
+plan-accuracy-ranks: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.plan_ranks
+
+# how many GPUs and what batch per GPU, from plans only (no GPU): the four shipped decoders x optimizers x
+# precision x checkpointing x seq 512/2048 x named GPUs -> docs/fit-table.md (minutes on CPU)
+fit-table: install
+	$(BIN)/python -m bench.fit_table
 
 # every registered optimizer on distilbert-base-cased (random weights, 2 steps each, a real sweep): the state
 # measured against the analytic and the meta-device-step estimates, bytes/param, the gradients' part of the peak

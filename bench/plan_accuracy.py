@@ -165,8 +165,14 @@ def markdown(rows: list[dict], command: str, seconds: float) -> str:
 
 
 def write_table(out: Path, rows: list[dict], command: str) -> None:
-    """The Markdown table of `rows`, with the measuring time their CSV rows recorded."""
-    out.write_text(markdown(rows, command, sum(r.get("seconds") or 0.0 for r in rows)))
+    """The Markdown table of `rows`, with the measuring time their CSV rows recorded; the per-rank section
+    (bench.plan_ranks, after its marker) kept as it is."""
+    from bench.plan_ranks import RANKS_MARKER
+
+    kept = ""
+    if out.exists() and RANKS_MARKER in out.read_text():
+        kept = "\n" + RANKS_MARKER + out.read_text().split(RANKS_MARKER, 1)[1]
+    out.write_text(markdown(rows, command, sum(r.get("seconds") or 0.0 for r in rows)) + kept)
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,9 @@ BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
 QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection uses, on the validation split
 PADDINGS = ("longest", "max_length")
-SHARDINGS = ("none", "zero1", "fsdp")
+SHARDINGS = ("none", "zero1", "zero2", "fsdp")  # zero2: planned only (plan=true); training runs the others
+TRAINED_SHARDINGS = ("none", "zero1", "fsdp")
+MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need whole 2-D weights
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -165,6 +167,21 @@ def _check_custom_optimizer(cfg: DictConfig) -> None:
 
 
 def _check_sharding_backend(cfg: DictConfig) -> None:
+    if cfg.plan:  # a plan runs no backend: it counts what each rank holds (pipeline.plan_ranks)
+        name = cfg.optim.name
+        if cfg.train.sharding in ("zero2", "fsdp") and name.startswith(MATRIX_OPTIMIZERS):
+            raise ConfigError(
+                f"train.sharding={cfg.train.sharding} is invalid with optim={name}: it works on whole weight "
+                "matrices, and ZeRO-2 / FSDP hand the optimizer 1-D slices (train.sharding=none or zero1)",
+                ("train.sharding", "optim.name"),
+            )
+        return
+    if cfg.train.sharding not in TRAINED_SHARDINGS:
+        raise ConfigError(
+            f"train.sharding={cfg.train.sharding} is planned only (plan=true): training runs "
+            f"{', '.join(TRAINED_SHARDINGS)} (ZeRO-2 would come from DeepSpeed, which is not installed)",
+            ("train.sharding", "plan"),
+        )
     if cfg.train.sharding != "none" and cfg.backend.name != "accelerator":
         raise ConfigError(
             f"train.sharding={cfg.train.sharding} is invalid with backend={cfg.backend.name}: "
@@ -207,11 +224,11 @@ def _check_boolean(cfg: DictConfig, key: str) -> None:
 
 
 def _check_plan_alone(cfg: DictConfig) -> None:
-    if cfg.plan and (cfg.find_batch_size or cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
+    if cfg.plan and cfg.find_batch_size:
         raise ConfigError(
-            "plan=true is invalid with find_batch_size=true, launcher.nproc_per_job > 1 or train.sharding: "
-            "a plan predicts one process's training step",
-            ("plan", "find_batch_size", "launcher.nproc_per_job", "train.sharding"),
+            "plan=true is invalid with find_batch_size=true: a plan predicts the largest batch itself "
+            "(with memory_budget_mb or device_memory)",
+            ("plan", "find_batch_size"),
         )
 
 

@@ -61,9 +61,11 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def fsdp_plugin():
     from accelerate import FullyShardedDataParallelPlugin
 
-    # parameters, gradients and optimizer state sharded over the ranks (ZeRO-3); original parameter objects
-    # kept so the optimizer registry's parameter groups still apply
-    return FullyShardedDataParallelPlugin(use_orig_params=True)
+    # parameters, gradients and optimizer state sharded over the ranks (ZeRO-3), a unit per transformer layer
+    # (the model's `_no_split_modules`), so a rank gathers one layer at a time, not the whole model (accelerate's
+    # default wraps nothing: one unit); original parameter objects kept so the optimizer registry's parameter
+    # groups still apply. pipeline.plan_ranks plans this layout.
+    return FullyShardedDataParallelPlugin(use_orig_params=True, auto_wrap_policy="transformer_based_wrap")
 
 
 def param_checksum(model) -> str:

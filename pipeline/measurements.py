@@ -105,23 +105,34 @@ def throughput(
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
-def prediction(cfg, spec, model, names, exclude_mb: float, largest_batch: tuple, measured_mb: float) -> dict:
-    """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors) for the largest
-    batch, beside the measured one; `exclude_mb` of the state is not on the device (paged). Not under FSDP, nor
-    for an optimizer that updates inside the backward pass (the plan steps once over all gradients)."""
-    if len(largest_batch) != 2 or cfg.train.sharding == "fsdp":
+def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], measured: list[float]) -> dict:
+    """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks:
+    what each rank of several holds) for each rank's largest batch, beside the measured one; `exclude_mb` of
+    the state is not on the device (paged). Not under FSDP, nor for an optimizer that updates inside the
+    backward pass (the plan steps once over all gradients)."""
+    if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
         return {}
     if spec.in_backward:
         return {"prediction_method": "none: the optimizer updates inside the backward pass"}
     cuda = next(model.parameters()).device.type == "cuda"
-    figures = simulated_step(cfg, spec, model.config, largest_batch, cuda, names)
-    peak = figures["peak"] - exclude_mb
-    return {
-        "predicted_peak_mb": peak,
-        "predicted_activations_mb": figures["activations"],
-        "predicted_peak_error_pct": 100 * (peak / measured_mb - 1),
-        "prediction_method": figures["method"],  # a tag
-    }
+    out = {}
+    for rank, record in enumerate(ranks):
+        figures = simulated_step(
+            cfg, spec, model.config, tuple(record["largest_batch"]), cuda, names, len(ranks)
+        )
+        peaks = figures["rank_peaks"]
+        peak = peaks[min(rank, len(peaks) - 1)] - exclude_mb  # ZeRO-1's ranks differ, the others' are alike
+        error = 100 * (peak / measured[rank] - 1)
+        if rank == 0:
+            out |= {
+                "predicted_peak_mb": peak,
+                "predicted_activations_mb": figures["activations"],
+                "predicted_peak_error_pct": error,
+                "prediction_method": figures["method"],  # a tag
+            }
+        if len(ranks) > 1:
+            out |= {f"predicted_peak_mb_rank{rank}": peak, f"predicted_peak_error_pct_rank{rank}": error}
+    return out
 
 
 # what the simulated step does not depend on: the seed, the data (their shapes are the batch's; the number of
@@ -131,20 +142,26 @@ NOT_IN_PLAN += ("memory_track_steps", "memory_budget_mb", "find_batch_size", "pl
 NOT_IN_PLAN_TRAIN = ("max_steps",)
 
 
-def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names) -> dict:
-    """The plan's peak, activations and method for this step (pipeline.plan.simulate), simulated once per sweep
-    point and kept under <outputs_dir>/cache/plan (pipeline.cache): the seeds of a point share it."""
+def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1) -> dict:
+    """The plan's peak, activations and method for this step (pipeline.plan.simulate), and each rank's peak
+    (`rank_peaks`, pipeline.plan_ranks: one entry, or one per rank under ZeRO-1) for `world` ranks, simulated
+    once per sweep point and kept under <outputs_dir>/cache/plan (pipeline.cache): the seeds of a point share
+    it."""
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
-    inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names)]
+    inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     path = cache.folder(cfg.outputs_dir, "plan") / f"{cache.key(*inputs, library_versions())}.json"
     figures = cache.read_json(path)
     if figures is None:
-        from pipeline import plan
+        from pipeline import plan, plan_ranks
 
         found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names)
+        layout = plan_ranks.Layout(found["model"], spec, cfg, foreach=cuda)
+        extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
+        ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
         figures = {
             "peak": found["peak"],
+            "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
             "method": found["method"],
         }
@@ -182,6 +199,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "padded_tokens": padded_tokens,
             "window_tokens": window_tokens,
             "window_padded_tokens": window_padded,
+            "largest_batch": list(out.peak.largest_batch),
         },
         job_dir,
     )
@@ -191,25 +209,10 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     speed, speed_tags = throughput(cfg, timer, runtime, ranks, flops, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
-        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak); under
-        # ZeRO-1 the other ranks' shards are not on this one (the simulation steps the whole optimizer)
+        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
         paged_mb = paged.mb if on_cuda else 0.0
-        if cfg.train.sharding == "zero1":
-            paged_mb += (
-                spec.estimate(optimizers.param_infos(model), cfg, choice.variant, model.config).mb
-                - estimate.mb
-            )
-        memory.update(
-            prediction(
-                cfg,
-                spec,
-                model,
-                collate.input_names,
-                paged_mb,
-                out.peak.largest_batch,
-                memory["peak_memory_mb"],
-            )
-        )
+        measured = [r["peak_memory_mb"] for r in ranks]
+        memory.update(prediction(cfg, spec, model, collate.input_names, paged_mb, ranks, measured))
     method = memory.pop("prediction_method", None)  # a tag, not a metric
     tokens = sum(r["tokens"] for r in ranks)
     metrics = {

@@ -413,6 +413,7 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
         "state": state,
         "step_peak": sum(step.values()) + extra,
         "method": method,
+        "step": step,
         "model": model,
         "profile": steps,
     }
@@ -426,54 +427,3 @@ def largest_batch(prediction: dict, budget: float, cuda: bool = False) -> int:
         return 0
     fixed = prediction["state"] + (CUBLAS_WORKSPACES_MB if cuda else 0.0)
     return prediction["profile"].largest_batch(budget - fixed)
-
-
-def budget_mb(cfg) -> float | None:
-    """The memory a plan is checked against: memory_budget_mb, else what the named GPU leaves."""
-    if cfg.memory_budget_mb is not None:
-        return float(cfg.memory_budget_mb)
-    return usable_mb(cfg.device_memory) if cfg.device_memory else None
-
-
-def plan_result(cfg) -> dict:
-    """The record of a plan job (`plan=true`): the predicted parts and peak of a training step at the
-    configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
-    import time
-
-    from pipeline import models, optimizers, predict  # predict: the field's rules of thumb
-
-    start = time.perf_counter()
-    spec = optimizers.spec_for(cfg.optim)
-    config = models.model_config(cfg.model, num_labels=2)
-    if config.pad_token_id is None:  # decoders classify from the last non-padding token
-        config.pad_token_id = 0
-    cuda = cfg.device_memory is not None or torch.cuda.is_available()
-    seq = cfg.train.max_length
-    names = tuple(models.load_tokenizer(cfg.model).model_input_names)  # the batch's tensors
-    prediction = simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names)
-    model = prediction["model"]
-    num_params = sum(p.numel() for p in model.parameters())
-    metrics = {
-        "model_num_params": num_params,
-        "estimated_optimizer_state_mb": prediction["state"],
-        "predicted_peak_mb": prediction["peak"],
-        **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
-        "predicted_step_peak_mb": prediction["step_peak"],
-        "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
-        "bytes_rule_mb": predict.bytes_rule_mb(num_params),
-    }
-    budget = budget_mb(cfg)
-    if budget is not None:
-        metrics["budget_mb"] = budget
-        metrics["fits"] = float(prediction["peak"] <= budget)
-        metrics["predicted_max_batch_size"] = largest_batch(prediction, budget, cuda)
-    metrics["plan_s"] = time.perf_counter() - start
-    return {
-        "metrics": metrics,
-        "series": {},
-        "params": {
-            "device": f"cuda: {cfg.device_memory or 'this machine'} (planned)" if cuda else "cpu (planned)",
-            "device_memory": cfg.device_memory,
-        },
-        "tags": {"mode": "plan", "plan_method": prediction["method"]},
-    }

@@ -185,10 +185,10 @@ def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
 
 def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
     """A plan job's record, made here: it loads no weights and trains nothing."""
-    from pipeline import plan
+    from pipeline import plan_job
 
     try:
-        return None, plan.plan_result(cfg)
+        return None, plan_job.plan_result(cfg)
     except Exception as err:
         return Failure("exception", f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}"), None
 

@@ -76,8 +76,13 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path):
     found = plan.simulate(
         model.config, optimizers.spec_for(cfg.optim), cfg, 16, 32, names=("input_ids", "attention_mask")
     )
-    assert first == json.loads(json.dumps({"peak": found["peak"], "activations": found["parts"]["activations"],
-                                           "method": found["method"]}))  # fmt: skip
+    expected = {
+        "peak": found["peak"],
+        "activations": found["parts"]["activations"],
+        "method": found["method"],
+    }
+    assert {key: first[key] for key in expected} == json.loads(json.dumps(expected))
+    assert first["rank_peaks"] == [first["peak"]]  # one rank: its peak is the step's
     # another optimizer, precision or batch is another step
     adafactor = simulated(tmp_path, "optim=adafactor")
     simulated(tmp_path, "train.precision=bf16")

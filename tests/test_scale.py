@@ -95,7 +95,7 @@ def test_cpu_cores_are_split_between_parallel_jobs_and_their_ranks():
         (["launcher.nproc_per_job=-2"], "launcher.nproc_per_job=-2 is invalid: must be a positive integer"),
         (
             ["train.sharding=zero3"],
-            "train.sharding='zero3' is invalid: allowed values are none, zero1, fsdp; did you mean zero1?",
+            "train.sharding='zero3' is invalid: allowed values are none, zero1, zero2, fsdp; did you mean zero2?",
         ),
         (
             ["train.sharding=zero1"],
@@ -290,6 +290,19 @@ def test_zero1_halves_the_state_each_rank_holds(two_rank_jobs):
         k: [m.value for m in client.get_metric_history(r.info.run_id, "train_loss")] for k, r in runs.items()
     }
     assert losses["zero1"] == pytest.approx(losses["none"], rel=1e-5)
+
+
+def test_each_ranks_peak_is_predicted_within_5_percent(two_rank_jobs):
+    """The plan for several ranks (pipeline.plan_ranks: DDP's buckets, ZeRO-1's owned state) against the peak
+    each rank measured, at the largest batch that rank saw."""
+    for run in sweep_runs(two_rank_jobs)[1]:
+        m = run.data.metrics
+        for rank in (0, 1):
+            assert abs(m[f"predicted_peak_error_pct_rank{rank}"]) <= 5, (run.data.params["sharding"], rank)
+            predicted, measured = m[f"predicted_peak_mb_rank{rank}"], m[f"peak_memory_mb_rank{rank}"]
+            assert predicted == pytest.approx(
+                measured * (1 + m[f"predicted_peak_error_pct_rank{rank}"] / 100)
+            )
 
 
 @pytest.mark.slow  # ~50 s: 4 processes on the CPU at once

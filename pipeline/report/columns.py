@@ -136,8 +136,11 @@ PLAN_KEYS = [
     "max_length",
     "batch_size",
     "device_memory",
+    "sharding",
+    "world_size",
     "optim",
 ]
+PLAN_DEFAULTS = {"sharding": "none", "world_size": "1"}  # keys left out of the plan table when all are so
 PLAN_COLUMNS = {
     "weights [MB]": "predicted_peak_params_mb",
     "gradients [MB]": "predicted_peak_grads_mb",
@@ -148,6 +151,9 @@ PLAN_COLUMNS = {
     "budget [MB]": "budget_mb",
     "fits": "fits",
     "largest batch [samples]": "predicted_max_batch_size",
+    "ranks needed": "predicted_min_ranks",
+    "largest batch there [samples]": "predicted_max_batch_at_min_ranks",
+    "ZeRO formula [MB]": "deepspeed_zero_mb",
     "accelerate estimate [MB]": "accelerate_estimate_mb",
     "18 bytes/param [MB]": "bytes_rule_mb",
 }

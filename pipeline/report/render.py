@@ -265,12 +265,13 @@ def write_report(
     plan_title = "Plan: a training step's memory, predicted"
     plan_note = (
         "(plan=true: the step simulated on fake tensors, no weights, nothing trained; the parts at the "
-        "predicted peak; fits = predicted peak within the budget; MB = 2^20 bytes)"
+        "predicted peak (the largest rank's, for several ranks); fits = predicted peak within the budget; ranks "
+        "needed = the smallest number of ranks at which the batch fits with that sharding; MB = 2^20 bytes)"
     )
     md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
-        md += [*[f"- {line}" for line in plan_verdict(plans)], ""]
+        md += [*[f"**Verdict**: {line}" for line in plan_verdict(plans)], ""]
     md += ["## Comparison", "", _markdown(lead) if len(lead) else "No finished training jobs.", ""]
     md += [marked, ""] if marked else []
     if len(shown):
@@ -359,11 +360,10 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
         text += tuned_console(tuned)
     if (out / "plan.csv").exists():
         plans = pd.read_csv(out / "plan.csv")
-        verdict = "".join(f"\n{line}" for line in plan_verdict(plans))
         text = (
             ("" if len(table) else "plan:\n")
             + plan_display(plans).to_string(index=False)
-            + verdict
+            + "".join(f"\nverdict: {line}" for line in plan_verdict(plans))
             + ("\n\n" + text if len(table) else "")
         )
     if (out / "fits.csv").exists():  # a sweep of searches only: their table is the whole story

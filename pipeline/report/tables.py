@@ -19,6 +19,7 @@ from pipeline.report.columns import (
     KEY_LABELS,
     OTHER_SETTINGS,
     PLAN_COLUMNS,
+    PLAN_DEFAULTS,
     PLAN_KEYS,
     RATES,
     SEEDS,
@@ -240,15 +241,72 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         return pd.DataFrame()
     values = done[list(PLAN_COLUMNS.values())].astype(float).set_axis(list(PLAN_COLUMNS), axis=1)
     values["fits"] = values["fits"].map({1.0: "yes", 0.0: "no"})
-    keys = [k for k in PLAN_KEYS if done[k].notna().any()]
+    keys = [
+        k
+        for k in PLAN_KEYS
+        if done[k].notna().any() and not (done[k].astype(str) == PLAN_DEFAULTS.get(k, "\0")).all()
+    ]
     table = pd.concat([done[keys], values], axis=1).dropna(axis=1, how="all")
+    if "world_size" in table:  # a param: text; ranks sort as numbers
+        table["world_size"] = table.world_size.astype(int)
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    if "sharding" in table:  # from the least sharded to the most
+        table["sharding"] = pd.Categorical(table.sharding, ["none", "zero1", "zero2", "fsdp"])
     table = table.sort_values(keys, ignore_index=True)
     table["optim"] = table.optim.astype(str)
-    return table.rename(columns={**KEY_LABELS, "gradient_checkpointing": "checkpointing"})
+    if "sharding" in table:
+        table["sharding"] = table.sharding.astype(str)
+    labels = {**KEY_LABELS, "gradient_checkpointing": "checkpointing", "world_size": "ranks"}
+    return table.rename(columns=labels)
+
+
+def _ranks_phrase(rows: pd.DataFrame) -> str:
+    """How one optimizer fits: `fits on 1`, `needs 2 with zero2 or fsdp (largest batch there 13/rank)`."""
+    need = rows.dropna(subset=["ranks needed"])
+    if need.empty:
+        return "fits on no number of ranks tried (up to 4096)"
+    n = int(need["ranks needed"].min())
+    best = need[need["ranks needed"] == n].sort_values("largest batch there [samples]", ascending=False)
+    batch = int(best["largest batch there [samples]"].iloc[0])
+    if n == 1:
+        return f"fits on 1 (largest batch {batch}/rank)"
+    if "sharding" not in best:
+        return f"needs {n} (largest batch there {batch}/rank)"
+    each = best.drop_duplicates("sharding")
+    ways = " or ".join(
+        f"{s} ({int(b)}/rank)"
+        for s, b in zip(each["sharding"], each["largest batch there [samples]"], strict=True)
+    )
+    return f"needs {n} with {ways}"
+
+
+def ranks_verdict(table: pd.DataFrame) -> list[str]:
+    """One line per model x device x batch of a plan table that names a budget: per optimizer, the smallest
+    number of ranks that fits the batch (over the shardings planned) and the largest batch per rank there."""
+    if "ranks needed" not in table or "largest batch there [samples]" not in table:
+        return []
+    where = "device_memory" if "device_memory" in table else "budget [MB]"
+    batch = KEY_LABELS["batch_size"]
+    group = [k for k in ("model", where, batch) if k in table]
+    lines = []
+    for key, rows in table.groupby(group, sort=False):
+        key = dict(zip(group, key if isinstance(key, tuple) else (key,), strict=True))
+        on = key.get("device_memory") or f"{key.get('budget [MB]', 0):,.0f} MB"
+        head = f"{key.get('model', '')} on {on}" + (f", batch {int(key[batch])}/rank" if batch in key else "")
+        each = [f"{o} {_ranks_phrase(r)}" for o, r in rows.groupby(KEY_LABELS["optim"], sort=False)]
+        lines.append(f"{head}: " + "; ".join(each))
+    return lines
 
 
 def plan_verdict(plans: pd.DataFrame) -> list[str]:
+    """The verdict after a plan table: for a plan over ranks or shardings (its table has their columns), the
+    smallest number of ranks each optimizer needs (`ranks_verdict`); else which fit the budget (`fit_verdict`)."""
+    if "world_size" in plans or "sharding" in plans:
+        return ranks_verdict(plans)
+    return fit_verdict(plans)
+
+
+def fit_verdict(plans: pd.DataFrame) -> list[str]:
     """One line per planned setting (model, precision, batch, device ... besides the optimizer) with a budget:
     `fits h100-80gb at batch 4: adafactor (largest 76), adamw_8bit (42); does not fit: adamw`."""
     if plans.empty or "fits" not in plans:

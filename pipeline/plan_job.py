@@ -1,0 +1,100 @@
+"""A plan job's record (`plan=true`): the step simulated on fake tensors (pipeline.plan), as one process or as
+each rank of `launcher.nproc_per_job` processes under `train.sharding` (pipeline.plan_ranks), whether it fits
+a budget, the largest batch that does, the smallest number of ranks that fits, and the field's anchors."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipeline import plan, plan_ranks
+
+
+def budget_mb(cfg) -> float | None:
+    """The memory a plan is checked against: memory_budget_mb, else what the named GPU leaves."""
+    if cfg.memory_budget_mb is not None:
+        return float(cfg.memory_budget_mb)
+    return plan.usable_mb(cfg.device_memory) if cfg.device_memory else None
+
+
+def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: float) -> dict[str, float]:
+    """The per-rank figures of a plan for `launcher.nproc_per_job` ranks under `train.sharding`: the largest
+    rank's parts and peak (what must fit), each rank's peak (ZeRO-1's differ; up to 8 named), the largest
+    batch per rank, the smallest number of ranks that fits the batch and the largest batch there."""
+    sharding, world, batch = cfg.train.sharding, cfg.launcher.nproc_per_job, cfg.batch_size
+    ranks = plan_ranks.per_rank(prediction, layout, sharding, world, batch, extra)
+    top = max(ranks, key=lambda r: r["peak"])
+    metrics = {
+        "predicted_peak_mb": top["peak"],
+        **{f"predicted_peak_{k}_mb": v for k, v in top["parts"].items()},
+        "predicted_step_peak_mb": sum(top["step"].values()) + extra,
+        "predicted_rank_state_mb": top["state"],
+        "deepspeed_zero_mb": plan_ranks.deepspeed_zero_mb(layout, sharding, world),
+    }
+    if len(ranks) > 1 and world <= 8:
+        metrics |= {f"predicted_peak_mb_rank{r}": x["peak"] for r, x in enumerate(ranks)}
+    if budget is not None:
+        metrics["fits"] = float(top["peak"] <= budget)
+        metrics["predicted_max_batch_size"] = plan_ranks.largest_batch(
+            prediction, layout, sharding, world, budget, extra
+        )
+        n = plan_ranks.smallest_world(prediction, layout, sharding, batch, budget, extra)
+        if n is not None:
+            metrics["predicted_min_ranks"] = n
+            metrics["predicted_max_batch_at_min_ranks"] = plan_ranks.largest_batch(
+                prediction, layout, sharding, n, budget, extra
+            )
+    return metrics
+
+
+def plan_result(cfg) -> dict:
+    """The record of a plan job: the predicted parts and peak of a training step (per rank for several) at the
+    configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
+    from pipeline import models, optimizers, predict  # predict: the field's rules of thumb
+
+    start = time.perf_counter()
+    spec = optimizers.spec_for(cfg.optim)
+    config = models.model_config(cfg.model, num_labels=2)
+    if config.pad_token_id is None:  # decoders classify from the last non-padding token
+        config.pad_token_id = 0
+    cuda = cfg.device_memory is not None or torch.cuda.is_available()
+    seq = cfg.train.max_length
+    names = tuple(models.load_tokenizer(cfg.model).model_input_names)  # the batch's tensors
+    prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names)
+    model = prediction["model"]
+    num_params = sum(p.numel() for p in model.parameters())
+    metrics = {
+        "model_num_params": num_params,
+        "estimated_optimizer_state_mb": prediction["state"],
+        "predicted_peak_mb": prediction["peak"],
+        **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
+        "predicted_step_peak_mb": prediction["step_peak"],
+        "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
+        "bytes_rule_mb": predict.bytes_rule_mb(num_params),
+    }
+    budget = budget_mb(cfg)
+    if budget is not None:
+        metrics["budget_mb"] = budget
+        metrics["fits"] = float(prediction["peak"] <= budget)
+        metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget, cuda)
+    if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none" or budget is not None:
+        layout = plan_ranks.Layout(model, spec, cfg, foreach=cuda)
+        extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
+        metrics |= rank_metrics(prediction, layout, cfg, budget, extra)
+    metrics["plan_s"] = time.perf_counter() - start
+    return {
+        "metrics": metrics,
+        "series": {},
+        "params": {
+            "device": f"cuda: {cfg.device_memory or 'this machine'} (planned)" if cuda else "cpu (planned)",
+            "device_memory": cfg.device_memory,
+        },
+        "tags": {
+            "mode": "plan",
+            "plan_method": prediction["method"],
+            "plan_sharding": plan_ranks.SOURCES[cfg.train.sharding]
+            if cfg.launcher.nproc_per_job > 1
+            else "one process",
+        },
+    }
