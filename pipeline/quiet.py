@@ -94,7 +94,7 @@ class _HeadReport(logging.Filter):
             return True
         found = re.search(r"(\w+) LOAD REPORT", text)
         model = found[1] if found else "the model"
-        keys = ", ".join(r[0] for r in rows)
+        keys = ", ".join(sorted(r[0] for r in rows))  # (transformers lists them in a set's order)
         record.msg = (
             f"{model}: the classification head ({keys}) is newly initialised, as fine-tuning a pretrained model "
             "for classification expects (log_level=info shows transformers' load report)"

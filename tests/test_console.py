@@ -29,7 +29,7 @@ def test_a_minilm_sweep_prints_one_head_line_per_job_and_no_library_noise(tmp_pa
     for noise in NOISE:
         assert noise not in console, noise
     head = (
-        "BertForSequenceClassification: the classification head (classifier.weight, classifier.bias) is newly"
+        "BertForSequenceClassification: the classification head (classifier.bias, classifier.weight) is newly"
     )
     assert console.count(head) == 2, console
     assert stray(console) == [], console
