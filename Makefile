@@ -30,7 +30,8 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table
+.PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table \
+	bench-server slurm-up postgres-up
 
 install: $(VENV)/.installed
 
@@ -92,6 +93,20 @@ bench: install
 
 bench-full: install
 	$(BIN)/python -m bench --full
+
+# the team server under load: 32 clients at once recording a job's run each, make server on sqlite and on a
+# PostgreSQL it starts (Debian's postgresql-15) -> bench/server-load.md (docs/mlflow.md)
+bench-server: install
+	$(BIN)/python -m bench.server_load --clients 32 --stores sqlite,postgres
+
+# a one-node SLURM cluster on this machine (Debian's slurmctld slurmd slurm-client munge; as root) until Ctrl-C:
+# it prints the SLURM_CONF to export in the shell that runs launcher=slurm sweeps (docs/scaling.md)
+slurm-up: install
+	$(BIN)/python -m tests.services slurm
+
+# a PostgreSQL server in a temporary folder until Ctrl-C: it prints the URI for make server SERVER_STORE=...
+postgres-up: install
+	$(BIN)/python -m tests.services postgres
 
 # the UI of the local store (mlflow ui on 127.0.0.1:$(UI_PORT)), opened on the experiment's runs in the
 # model-training view with the figures first: it prints that address (and opens it where a desktop browser is);

@@ -183,6 +183,76 @@ def _login() -> str:
     return getpass.getuser()
 
 
+# ---- the team server (make server) ----------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+ADMIN_PASSWORD = "admin-password-for-tests"  # MLflow wants 12 characters or more
+SECRETS = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-key"}
+
+
+@dataclass
+class TeamServer:
+    process: subprocess.Popen
+    uri: str
+    log: Path
+
+    def stop(self) -> None:
+        """The server and its workers (its own process group), gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_team_server(
+    folder: Path, store: str, auth_store: str, port: int | None = None, workers: int = 4
+) -> TeamServer:
+    """`make server` (the install step taken as done: the venv at hand) with basic-auth, its runs in `store`,
+    accounts in `auth_store`, artifacts in `folder`; back once it answers its health check."""
+    import urllib.request
+
+    port = port or free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        "make",
+        "-s",
+        "-o",
+        ".venv/.installed",
+        "server",
+        f"SERVER_PORT={port}",
+        f"SERVER_WORKERS={workers}",
+    ]
+    cmd += [f"SERVER_STORE={store}", f"SERVER_ARTIFACTS={folder / 'artifacts'}", "SERVER_HOST=127.0.0.1"]
+    cmd += [f"SERVER_AUTH_STORE={auth_store}", f"SERVER_AUTH_CONFIG={folder / 'auth.ini'}"]
+    cmd += [f"BIN={Path(sys.executable).parent}"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **SECRETS}
+    log = folder / "server.log"
+    with open(log, "a") as out:
+        process = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = TeamServer(process, f"http://127.0.0.1:{port}", log)
+
+    def healthy() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"make server ended with {process.returncode}: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{server.uri}/health", timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        _wait(healthy, "make server", log, timeout=600)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 # ---- SLURM -----------------------------------------------------------------------------------------------
 
 SLURM_CONF = """\
