@@ -31,7 +31,7 @@ SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
 .PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy optimizer-table \
-	bench-server slurm-up postgres-up
+	bench-server bench-server-slurm slurm-up postgres-up
 
 install: $(VENV)/.installed
 
@@ -98,6 +98,11 @@ bench-full: install
 # PostgreSQL it starts (Debian's postgresql-15) -> bench/server-load.md (docs/mlflow.md)
 bench-server: install
 	$(BIN)/python -m bench.server_load --clients 32 --stores sqlite,postgres
+
+# 2 sweeps of 8 tiny jobs each through a one-node SLURM cluster at once into one PostgreSQL-backed make server
+# (as root; about 10 min on 2 cores): every run under its own parent, nothing in Default
+bench-server-slurm: install
+	$(BIN)/python -m bench.server_load --slurm-sweeps
 
 # a one-node SLURM cluster on this machine (Debian's slurmctld slurmd slurm-client munge; as root) until Ctrl-C:
 # it prints the SLURM_CONF to export in the shell that runs launcher=slurm sweeps (docs/scaling.md)

@@ -201,6 +201,65 @@ def run(stores: list[str], clients: int, folder: Path, pg=None) -> list[Load]:
     return loads
 
 
+def slurm_sweeps(folder: Path, sweeps: int = 2, jobs: int = 8) -> list[str]:
+    """`sweeps` sweeps of `jobs` tiny jobs each (other seeds each: other points), through a one-node SLURM
+    cluster, at once into one PostgreSQL-backed `make server`: the lines of what each sweep left in the store."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    from tests import services
+
+    for kind in ("postgres", "slurm"):
+        if services.missing(kind):
+            raise SystemExit(f"error: {services.missing(kind)}")
+    pg = services.start_postgres(folder / "pg")
+    cluster = services.start_slurm(folder / "slurm")
+    server = None
+    try:
+        server = services.start_team_server(
+            folder / "server", pg.create_database("runs"), pg.create_database("auth")
+        )
+        admin = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": services.ADMIN_PASSWORD}
+        env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **cluster.env, **admin}
+        tiny = ["model=tiny", "data.max_train_samples=64", "data.max_eval_samples=32", "train.max_steps=3"]
+        started, procs = time.time(), []
+        for n in range(sweeps):
+            seeds = ",".join(str(n * jobs + i) for i in range(jobs))
+            cmd = [sys.executable, "-m", "pipeline", "-m", f"seed={seeds}", *tiny, "launcher=slurm"]
+            cmd += ["hydra.launcher.cpus_per_task=1", "tracking=server", f"tracking.uri={server.uri}"]
+            cmd += [f"outputs_dir={folder / f'sweep{n}'}"]
+            log = open(folder / f"sweep{n}.log", "w")  # noqa: SIM115 (the sweep's console)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [proc.wait(timeout=3600) for proc in procs]
+        seconds = time.time() - started
+        os.environ.update(admin)
+        client = MlflowClient(server.uri)
+        lines = [
+            f"{sweeps} sweeps of {jobs} tiny jobs through SLURM at once: exit codes {codes}, {seconds:.0f} s"
+        ]
+        for n in range(sweeps):
+            ids = json.loads(next((folder / f"sweep{n}").glob("multirun/*/mlflow_sweep.json")).read_text())
+            parent = client.get_run(ids["parent_run_id"])
+            children = client.search_runs(
+                [ids["experiment_id"]], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+            )
+            own = sum(str(folder / f"sweep{n}") in r.data.tags.get("job_dir", "") for r in children)
+            finished = sum(r.info.status == "FINISHED" for r in children)
+            lines.append(
+                f"sweep {n}: parent {parent.info.status}, {len(children)} children ({finished} FINISHED, "
+                f"{own} from its own sweep folder)"
+            )
+        every = client.search_runs([ids["experiment_id"]], max_results=10000)
+        lines.append(f"runs in the experiment: {len(every)}; in Default: {len(client.search_runs(['0']))}")
+        return lines
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.stop()
+        pg.stop()
+
+
 def table(loads: list[Load]) -> str:
     lines = [
         "| store | clients | runs lost | metric rows lost | params / tags / artifacts lost | client errors "
@@ -221,9 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--stores", default="sqlite,postgres")
     parser.add_argument("--out", type=Path, default=OUT, help="where the table goes (markdown)")
+    parser.add_argument(
+        "--slurm-sweeps", action="store_true", help="instead: 2 sweeps of 8 tiny jobs through SLURM at once"
+    )
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="server-load-"))
     folder.chmod(0o755)  # PostgreSQL's account reaches its folder inside
+    if args.slurm_sweeps:
+        try:
+            lines = slurm_sweeps(folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        print("\n".join(lines))
+        return 0
     started = time.time()
     try:
         loads = run(args.stores.split(","), args.clients, folder)
