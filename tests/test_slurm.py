@@ -15,9 +15,10 @@ from tests.test_failures import start_sweep
 # two jobs at once on the 2-core node (the preset asks for as many cores as a node has, up to 8)
 ONE_CORE = ["launcher=slurm", "hydra.launcher.cpus_per_task=1"]
 LONG = [*TINY, "train.max_steps=100000"]  # a job that trains until it is stopped
+WAIT_S = 1500  # a sweep's wall time on a loaded 2-core machine (cold starts: jobs SLURM starts import torch)
 
 
-def wait_for(check, what: str, timeout: float = 300, sweep=None):
+def wait_for(check, what: str, timeout: float = 900, sweep=None):
     deadline = time.time() + timeout
     while not (found := check()):
         assert time.time() < deadline, f"{what}: not within {timeout} s"
@@ -59,7 +60,8 @@ def test_a_request_sbatch_refuses_is_one_line_and_opens_nothing(slurm_cluster, t
 @pytest.mark.slow  # 4 tiny jobs, 2 at a time, each a cold start (~2 min on 2 cores)
 def test_four_points_through_slurm_finish_under_one_parent_tagged_with_their_jobs(slurm_cluster, tmp_path):
     # the shipped preset as it is (no GPUs asked on this partition), but for the cores per task
-    proc = run_cli(tmp_path, "-m", "optim=adamw,adafactor", "backend=trainer,accelerator", *TINY, *ONE_CORE)
+    points = ["optim=adamw,adafactor", "backend=trainer,accelerator"]
+    proc = run_cli(tmp_path, "-m", *points, *TINY, *ONE_CORE, timeout=WAIT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "FINISHED" and len(children) == 4
@@ -80,7 +82,7 @@ def test_sigterm_to_the_sweep_cancels_its_jobs_and_marks_every_run_killed(slurm_
     sweep = start_sweep(tmp_path, "seed=0,1", *LONG, *ONE_CORE)
     wait_for(training(tmp_path, 2), "two job processes", sweep=sweep)
     sweep.send_signal(signal.SIGTERM)
-    out, err = sweep.communicate(timeout=180)
+    out, err = sweep.communicate(timeout=WAIT_S)
     assert sweep.returncode == 130, err[-3000:]
     assert "[sweep] cancelled 2 slurm jobs" in out, out
     assert "error" not in (out + err).lower(), out + err  # no scancel of a file taken for a job id
@@ -98,7 +100,7 @@ def test_a_job_cancelled_from_outside_ends_killed_with_that_reason_and_the_sweep
     wait_for(training(tmp_path, 1), "a job process", sweep=sweep)
     job = wait_for(lambda: _job_of(tmp_path, "100000"), "the long job's SLURM id", sweep=sweep)
     slurm_cluster.command("scancel", job)
-    out, err = sweep.communicate(timeout=600)
+    out, err = sweep.communicate(timeout=WAIT_S)
     assert sweep.returncode == 1, err[-3000:]
     runs = {r.data.params["max_steps"]: r for r in sweep_runs(tmp_path)[1]}
     assert runs["3"].info.status == "FINISHED"
@@ -122,7 +124,7 @@ def _job_of(tmp_path, max_steps: str) -> str | None:
 def test_jobs_at_their_time_limit_are_failed_with_that_reason_and_the_sweep_ends(slurm_cluster, tmp_path):
     # submitit warns a job signal_delay_s before its limit; both points train past it
     limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=15"]
-    proc = run_cli(tmp_path, "-m", "seed=0,1", *LONG, *ONE_CORE, *limit)
+    proc = run_cli(tmp_path, "-m", "seed=0,1", *LONG, *ONE_CORE, *limit, timeout=WAIT_S)
     assert proc.returncode == 1, proc.stderr[-3000:]
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "FAILED" and len(children) == 2
@@ -152,7 +154,7 @@ def test_a_requeued_job_records_its_point_once(slurm_cluster, tmp_path):
     wait_for(training(tmp_path, 1), "the job process", sweep=sweep)
     job = wait_for(lambda: _job_of(tmp_path, "400"), "its SLURM id", sweep=sweep)
     slurm_cluster.command("scontrol", "requeue", job)
-    out, err = sweep.communicate(timeout=900)
+    out, err = sweep.communicate(timeout=WAIT_S)
     assert sweep.returncode == 0, err[-3000:]
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "FINISHED"
@@ -164,9 +166,9 @@ def test_a_requeued_job_records_its_point_once(slurm_cluster, tmp_path):
 @pytest.mark.slow  # 2 ranks on the 2-core node, then the same job under torchrun (~1.5 min)
 def test_a_two_rank_job_as_two_slurm_tasks_gives_the_figures_of_torchrun(slurm_cluster, tmp_path):
     args = ["backend=accelerator", "launcher.nproc_per_job=2", *TINY]
-    on_slurm = run_cli(tmp_path / "slurm", "-m", *args, *ONE_CORE)
+    on_slurm = run_cli(tmp_path / "slurm", "-m", *args, *ONE_CORE, timeout=WAIT_S)
     assert on_slurm.returncode == 0, on_slurm.stderr[-3000:]
-    local = run_cli(tmp_path / "torchrun", "-m", *args)
+    local = run_cli(tmp_path / "torchrun", "-m", *args, timeout=WAIT_S)
     assert local.returncode == 0, local.stderr[-3000:]
     (a,), (b,) = sweep_runs(tmp_path / "slurm")[1], sweep_runs(tmp_path / "torchrun")[1]
     assert a.info.status == b.info.status == "FINISHED"
