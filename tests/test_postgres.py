@@ -80,7 +80,8 @@ def test_a_sweep_into_postgres_loses_nothing_when_the_server_restarts_mid_sweep(
         server.stop()
 
 
-@pytest.mark.slow  # two servers and 8 client processes each (~2 min on 2 cores)
+@pytest.mark.slow  # two servers and 8 client processes each (~2 min on 2 idle cores)
+@pytest.mark.timeout(1800)  # over 15 min on this 2-core machine at load average 30
 def test_eight_clients_at_once_lose_nothing_on_sqlite_and_postgres(postgres, tmp_path):
     loads = server_load.run(["sqlite", "postgres"], 8, tmp_path, pg=postgres)
     for load in loads:
