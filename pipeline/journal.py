@@ -21,7 +21,10 @@ from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
 from pipeline.tracking import DESCRIPTION, Tracker
 
 UNRECORDED_FILE = "unrecorded.json"
-RECORD_KEY = "record_key"  # tag of a run created from an entry: a second `record` finds it instead of a twin
+RECORD_KEY = "record_key"
+KILLED_BY = {
+    "cancelled": "KILLED"
+}  # failure reasons that end a run KILLED (a person stopped it), not FAILED  # tag of a run created from an entry: a second `record` finds it instead of a twin
 
 
 def now_ms() -> int:
@@ -126,7 +129,7 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     entry_ = read(job_dir)
     run_id = _run_id(tracker, entry_)
     failure = entry_["failure"]
-    status = "FAILED" if failure else "FINISHED"
+    status = "FINISHED" if not failure else KILLED_BY.get(failure["reason"], "FAILED")
     if tracker.status(run_id) == "RUNNING":
         stamp = entry_["end_time"]
         # (the tags the run opened with, and those known only once the job ran: how its process started)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import sys
 import time
@@ -119,13 +120,19 @@ def cancel_scheduled(sweep_dir: Path, launcher: str, wait_s: float = 30) -> list
     folder = Path(sweep_dir) / SUBMITIT_DIR
     if launcher not in SCHEDULED or not folder.is_dir():
         return []
-    jobs = [p for p in sorted(folder.iterdir()) if "%" not in p.name]  # not the submission's template folder
+    # the job folders (`<id>`, `<array id>_<task>`): not the submission's template folder nor its script
+    jobs = [p for p in sorted(folder.iterdir()) if p.is_dir() and re.fullmatch(r"\d+(_\d+)?", p.name)]
+    names = [p.name for p in jobs]  # an array's own folder `<id>` beside its tasks' `<id>_<n>` is no job
+    jobs = [p for p in jobs if not any(n.startswith(f"{p.name}_") for n in names)]
     pending = [p.name for p in jobs if not JobPaths(p, p.name, 0).result_pickle.exists()]
     if launcher == "slurm":
         import submitit
 
         for job_id in pending:
             submitit.SlurmJob(folder / job_id, job_id).cancel(check=False)
+        deadline = time.time() + wait_s  # their runners record how they ended (KILLED) as SLURM stops them
+        while time.time() < deadline and _in_queue(pending):
+            time.sleep(0.5)
         return pending
     cancelled = []
     for job_id in pending:
@@ -144,3 +151,16 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def _in_queue(job_ids: list[str]) -> bool:
+    """Any of these SLURM jobs still listed by squeue (pending, running or completing)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and bool(done.stdout.split())

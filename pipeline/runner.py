@@ -167,8 +167,37 @@ def run_job_process(
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             print(f"[job] {job_dir.name}: GPU {env['CUDA_VISIBLE_DEVICES']}", flush=True)
-        returncode, start = starter.run(job_dir, env, command, starts_warm(cfg, ranks))
+        try:
+            returncode, start = starter.run(job_dir, env, command, starts_warm(cfg, ranks))
+        except Exception as err:  # submitit's time-limit signal handler raised here (the job is killed)
+            if type(err).__name__ != "UncompletedJobError":
+                raise
+            return Failure("time_limit", time_limit_text(cfg, str(err))), "cold"
+    if cfg.launcher.name == "slurm" and returncode == -signal.SIGTERM:
+        return slurm_stop(cfg), start
     return exit_failure(job_dir, returncode), start
+
+
+def time_limit_text(cfg: DictConfig, detail: str) -> str:
+    minutes = HydraConfig.get().launcher.get("timeout_min") if HydraConfig.initialized() else None
+    limit = f"hydra.launcher.timeout_min={minutes}" if minutes is not None else "hydra.launcher.timeout_min"
+    return f"SLURM's time limit reached ({limit}: raise it for this job): {detail}"
+
+
+def slurm_stop(cfg: DictConfig) -> Failure:
+    """SLURM stopped the job process (SIGTERM to the whole job): why, from SLURM. A requeued job waits for
+    SLURM to end this attempt, its run left open for the next one (which records the point once)."""
+    from pipeline import slurm
+
+    state = slurm.job_state()
+    job = slurm.job_tags().get("slurm_job_id", "?")
+    if state == "REQUEUED" or state.startswith("REQUEUE"):
+        print(f"[job] SLURM requeued job {job}: its next start trains this point again", flush=True)
+        while True:  # SLURM kills this attempt (KillWait); nothing is recorded for it
+            signal.pause()
+    if state == "TIMEOUT":
+        return Failure("time_limit", time_limit_text(cfg, f"SLURM ended job {job} at its time limit"))
+    return Failure("cancelled", f"SLURM cancelled job {job} (scancel, or the sweep was stopped)")
 
 
 def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
@@ -236,6 +265,33 @@ def scheduler_ranks(cfg: DictConfig) -> dict[str, str]:
     return {}
 
 
+def scheduler_tags(cfg: DictConfig) -> dict[str, str]:
+    """A SLURM job's ids and node (tags of its run)."""
+    if cfg.launcher.get("name") != "slurm":
+        return {}
+    from pipeline import slurm
+
+    return {**slurm.job_tags(), **({"slurm_restarts": str(slurm.restarts())} if slurm.restarts() else {})}
+
+
+def requeued_run(tracker, experiment_id: str, tags: dict) -> str | None:
+    """A requeued SLURM job's run, left open by its earlier start: this start records into it (the point is
+    recorded once)."""
+    if "slurm_restarts" not in tags:
+        return None
+    runs = tracker.client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.slurm_job_id = '{tags['slurm_job_id']}' and tags.config_hash = '{tags['config_hash']}'"
+        " and attributes.status = 'RUNNING'",
+        max_results=1,
+    )
+    if not runs:
+        return None
+    tracker.log(runs[0].info.run_id, tags={"slurm_restarts": tags["slurm_restarts"]})
+    print(f"[job] requeued by SLURM: recording into run {runs[0].info.run_id} again", flush=True)
+    return runs[0].info.run_id
+
+
 def save_config(cfg: DictConfig, job_dir: Path) -> None:
     """Write the resolved config atomically: every rank of a submitit job writes it, each job process reads it."""
     tmp = job_dir / f".{CONFIG_FILE}.{os.getpid()}"
@@ -287,7 +343,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     `sweep` holds; None for a single run), run its job process and record the result or the failure. The
     outcome goes through the journal (pipeline.journal): when the store is away at the end, it waits in the
     job folder to be recorded later, and the sweep goes on."""
-    from pipeline import journal
+    from pipeline import journal, placement
     from pipeline.tracking import StoreError, Tracker, ui_url
 
     hydra_cfg = HydraConfig.get()
@@ -320,10 +376,13 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         "overrides": " ".join(hydra_cfg.overrides.task),
         "config_hash": point,
         **({"replaces": done.info.run_id} if done is not None else {}),
+        **(scheduler_tags(cfg)),
     }
     start, run_id = journal.now_ms(), None
     try:  # the run opens now, so that the UI shows it while it trains; a store away opens it when recorded
-        run_id = tracker.start_run(experiment_id, name, parent_run_id, tags, start_time=start)
+        run_id = requeued_run(tracker, experiment_id, tags) or tracker.start_run(
+            experiment_id, name, parent_run_id, tags, start_time=start
+        )
         print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
         tracker.log(run_id, params=job_params(cfg))
     except Exception as err:
@@ -387,6 +446,6 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         with contextlib.suppress(Exception):  # a store that is away keeps them RUNNING
             if run_id is not None:
                 tracker.end(run_id, status)
-            if sweep:
-                tracker.end(sweep["parent_run_id"], status)
+            if sweep and cfg.launcher.name not in placement.SCHEDULED:  # a job SLURM runs leaves the sweep's
+                tracker.end(sweep["parent_run_id"], status)  # parent to the launching process
         raise

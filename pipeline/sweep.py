@@ -157,6 +157,19 @@ def mark_killed() -> None:
             tracker.end(run_id, "KILLED")
 
 
+def mark_failed() -> None:
+    """After the launching process failed (a launcher's exception, Hydra's exit 1): the parent run and every
+    job run still RUNNING become FAILED, so that nothing stays RUNNING for good."""
+    if not ACTIVE:
+        return
+    tracker = Tracker(ACTIVE["tracking_uri"])
+    parent = ACTIVE["parent_run_id"]
+    running = tracker.child_runs(ACTIVE["experiment_id"], parent, status="RUNNING")
+    for run_id in [r.info.run_id for r in running] + [parent]:
+        if tracker.status(run_id) == "RUNNING":
+            tracker.end(run_id, "FAILED")
+
+
 JOB_KINDS = (("find_batch_size", "largest-batch search"), ("plan", "plan"))  # param == "True" -> kind
 PLURALS = {"training": "training", "largest-batch search": "largest-batch searches", "plan": "plans"}
 
@@ -187,6 +200,22 @@ def failed_job_lines(runs) -> list[str]:
     ]
 
 
+def scheduled(config: DictConfig) -> None:
+    """Before a SLURM sweep opens anything: submitit's sacct warnings off a quiet console, and a request sbatch
+    would refuse stopped with one line naming the key to set (exit code 2)."""
+    from pipeline import quiet, slurm
+
+    with_level = OmegaConf.select(config, "log_level", default=quiet.DEFAULT)
+    if quiet.is_quiet(str(with_level).lower()) and not config.hydra.verbose:
+        slurm.quiet_sacct()
+    params = OmegaConf.to_container(config.hydra.launcher, resolve=True)
+    params.pop("_target_", None)
+    err = slurm.signal_delay_error(params) or slurm.refusal(params, jobs=1)
+    if err is not None:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 class SweepCallback(Callback):
     """Opens the sweep's parent run before the first job and closes it after the last one."""
 
@@ -202,6 +231,8 @@ class SweepCallback(Callback):
         if err is not None:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        if OmegaConf.select(config, "launcher.name") == "slurm":
+            scheduled(config)  # sbatch would refuse the jobs: one line, before any run opens
         claim_sweep_dir(config)  # another sweep started in the same second has its own folder
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,8 @@ def open_error(uri: str, err: BaseException) -> str:
                 "or point tracking.uri at another file"
             )
     if isinstance(err, ImportError):
-        return f"tracking uri {uri} needs a package that is not installed ({text}): pip install it"
+        fix = 'pip install -e ".[postgres]"' if scheme.startswith("postgresql") else "pip install it"
+        return f"tracking uri {uri} needs a package that is not installed ({text}): {fix}"
     return f"tracking uri {uri} cannot be opened ({type(err).__name__}: {text}): check the uri and the store"
 
 

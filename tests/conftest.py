@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -162,3 +163,38 @@ def cpu_unless_marked_gpu(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tmp_session(tmp_path_factory):
     return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (tests/services.py), skipped where it is not installed."""
+    from tests import services
+
+    reason = services.missing("postgres")
+    if reason:
+        pytest.skip(reason)
+    pg = services.start_postgres()
+    yield pg
+    pg.stop()
+    shutil.rmtree(pg.folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A one-node SLURM cluster for the session (tests/services.py), SLURM_CONF set for this process and
+    everything it starts; skipped where SLURM is not installed."""
+    from tests import services
+
+    reason = services.missing("slurm")
+    if reason:
+        pytest.skip(reason)
+    cluster = services.start_slurm()
+    saved = os.environ.get("SLURM_CONF")
+    os.environ.update(cluster.env)
+    yield cluster
+    cluster.stop()
+    if saved is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = saved
+    shutil.rmtree(cluster.folder, ignore_errors=True)

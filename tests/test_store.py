@@ -166,11 +166,15 @@ def host_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def make_server(tmp: Path, port: int, env: dict, *variables: str) -> subprocess.Popen:
-    """`make server` (the install step taken as done) with its store, artifacts and accounts under tmp."""
+def make_server(
+    tmp: Path, port: int, env: dict, *variables: str, stores: tuple[str, str] | None = None
+) -> subprocess.Popen:
+    """`make server` (the install step taken as done) with its artifacts under tmp, its runs and accounts in
+    `stores` (store, auth store), by default sqlite files under tmp."""
+    store, auth = stores or (f"sqlite:///{tmp / 'mlflow.db'}", f"sqlite:///{tmp / 'auth.db'}")
     cmd = ["make", "-s", "-o", ".venv/.installed", "server", f"SERVER_PORT={port}", "SERVER_WORKERS=1"]
-    cmd += [f"SERVER_STORE=sqlite:///{tmp / 'mlflow.db'}", f"SERVER_ARTIFACTS={tmp / 'artifacts'}"]
-    cmd += [f"SERVER_AUTH_STORE=sqlite:///{tmp / 'auth.db'}", f"SERVER_AUTH_CONFIG={tmp / 'auth.ini'}"]
+    cmd += [f"SERVER_STORE={store}", f"SERVER_ARTIFACTS={tmp / 'artifacts'}"]
+    cmd += [f"SERVER_AUTH_STORE={auth}", f"SERVER_AUTH_CONFIG={tmp / 'auth.ini'}"]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **env}
     log = open(tmp / "server.log", "w")  # noqa: SIM115 (the server's own output, read on failure)
     return subprocess.Popen(
@@ -191,13 +195,18 @@ def test_make_server_refuses_to_start_without_its_secrets(tmp_path):
     assert not (tmp_path / "auth.db").exists()
 
 
-@pytest.fixture(scope="module")
-def team_server(tmp_path_factory):
-    """`make server` on a free port: basic-auth, allowed hosts from this host's name and addresses."""
-    tmp = tmp_path_factory.mktemp("team_server")
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def team_server(request, tmp_path_factory):
+    """`make server` on a free port: basic-auth, allowed hosts from this host's name and addresses; its runs
+    and accounts in sqlite files, or in two databases of a real PostgreSQL server."""
+    tmp = tmp_path_factory.mktemp(f"team_server_{request.param}")
     port = free_port()
     secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-key"}
-    server = make_server(tmp, port, secrets)
+    stores = None
+    if request.param == "postgres":
+        pg = request.getfixturevalue("postgres")
+        stores = (pg.create_database(f"runs_{port}"), pg.create_database(f"auth_{port}"))
+    server = make_server(tmp, port, secrets, stores=stores)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600  # seconds on an idle machine; minutes on a loaded one
     try:
