@@ -132,7 +132,12 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
     """Run one job's process(es) to their end: forked from the starter when `warm` and the starter runs with
     this environment, else `command` in a new interpreter. (Its exit status, negative: killed by that signal;
     how it started: `warm` or `cold`.)"""
-    if warm and prestart(env):
+    if warm and not prestart(env):
+        mine = _shared(env)
+        differ = sorted(k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k))
+        print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
+              f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
+    elif warm:
         ctx = multiprocessing.get_context("forkserver")
         proc = ctx.Process(target=_child, args=(str(job_dir), env, JOB_MODULE), name=f"job {job_dir.name}")
         try:
