@@ -12,7 +12,7 @@ NOISE = ("Failed to load", "is an Enum subclass", "Detected no triton", "LOAD RE
 # the sweep's own lines: Hydra's launch lines, ours, MLflow's creating a new store, the tables
 OURS = re.compile(
     r"^(\[sweep\]|\[job\]|\[transformers\] \w+: the classification head|\[[\d\- :,]+\]\[HYDRA\]|"
-    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|fits |plan:|\s*model |\s*(minilm|tiny) )"
+    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|verdict: |plan:|\s*model |\s*(minilm|tiny) )"
 )
 
 

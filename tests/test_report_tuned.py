@@ -258,12 +258,15 @@ def test_points_are_tuned_apart():
 
 
 def test_an_untuned_sweep_has_no_tuned_table_and_says_so():
-    # each optimizer at its own reference rate, one rate each: one comparison row per optimizer, as today
+    # each optimizer at its own reference rate, one rate each: one comparison row per optimizer, its rate a
+    # column (the rows ran at different rates)
     jobs = jobs_of({("adamw", 5e-5): [0.8, 0.8], ("adafactor", 1e-3): [0.7, 0.7]}).assign(lr_scale=1.0)
     assert tuned_section(jobs) is None
     assert rate_note(jobs) == UNTUNED_NOTE
     table = report.compare(jobs)
-    assert "lr" not in table and table.optim.tolist() == ["adamw", "adafactor"]
+    assert table.optim.tolist() == ["adamw", "adafactor"] and table.lr.tolist() == [5e-5, 1e-3]
+    # at one rate, no rate column
+    assert "lr" not in report.compare(jobs_of({("adamw", 5e-5): [0.8], ("adafactor", 5e-5): [0.7]}))
     assert row(table, "adafactor")["Δ state [MB]"] == -98
     # no finished job: nothing to say
     assert rate_note(jobs.assign(status="FAILED")) is None

@@ -92,6 +92,11 @@ def latest_sweep(folder, client):
     )
 
 
+def cold_lines(proc) -> list[str]:
+    """What the launching process said of a job that started cold where it could have started warm."""
+    return [line for line in proc.stderr.splitlines() if "cold" in line and line.startswith("[job]")]
+
+
 def warm_against_cold(tmp_path, *args):
     """The same sweep started cold (caches empty: the splits read and the step simulated in the job), then warm
     (force=true: trained again, the splits and the simulated step from the caches): every figure alike."""
@@ -105,7 +110,7 @@ def warm_against_cold(tmp_path, *args):
     warm_figures = figures(tmp_path, store(tmp_path))
     assert warm_figures.keys() == cold_figures.keys()
     for backend, (metrics, losses, params, inputs, start) in warm_figures.items():
-        assert start == "warm" and cold_figures[backend][4] == "cold"
+        assert start == "warm" and cold_figures[backend][4] == "cold", cold_lines(warm)
         assert metrics == cold_figures[backend][0], backend
         assert losses == cold_figures[backend][1] and len(losses) == 3
         assert params == cold_figures[backend][2] and inputs == cold_figures[backend][3]
@@ -131,5 +136,5 @@ def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path)
     proc = run_cli(tmp_path, "-m", "log_level=warning,info", "force=true", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep_runs(tmp_path)[1], key=lambda r: r.info.start_time)
-    assert [r.data.tags["job_start"] for r in runs] == ["warm", "cold"]
+    assert [r.data.tags["job_start"] for r in runs] == ["warm", "cold"], cold_lines(proc)
     assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
