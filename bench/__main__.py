@@ -311,12 +311,14 @@ def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
     return rows
 
 
-def write_results(out: Path, s: Settings, command: str, r: dict, started: datetime, work: Path) -> None:
+def write_results(
+    out: Path, s: Settings, command: str, r: dict, started: datetime, took: float, work: Path
+) -> None:
     jobs, bare, tracked, floors = r["jobs"], r["bare"], r["tracked"], r["floors"]
     lines = [
         "# Benchmark results: the pipeline's own cost",
         "",
-        f"- date: {started:%Y-%m-%d %H:%M} (took {(datetime.now() - started).total_seconds():.0f} s)",
+        f"- date: {started:%Y-%m-%d %H:%M} (took {took:.0f} s)",
         f"- machine: {machine()}",
         f"- libraries: {versions()}",
         f"- command: `{command}` (settings: {', '.join(f'{k}={v}' for k, v in asdict(s).items())})",
@@ -499,11 +501,26 @@ def write_results(out: Path, s: Settings, command: str, r: dict, started: dateti
     out.write_text("\n".join(lines) + "\n")
 
 
+MEASUREMENTS = "measurements.json"  # in the work folder: everything the page is written from
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="The pipeline's own cost (make bench / make bench-full).")
     parser.add_argument("--full", action="store_true", help="more repeats, bigger batch, more steps")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="WORK",
+        help="write --out again from a run's work folder, measuring nothing",
+    )
     args = parser.parse_args()
+    if args.render:
+        kept = json.loads((args.render / MEASUREMENTS).read_text())
+        started, s = datetime.fromisoformat(kept["started"]), Settings(**kept["settings"])
+        write_results(args.out, s, kept["command"], kept["r"], started, kept["took"], args.render.resolve())
+        print(args.out.read_text())
+        return
     s = FULL if args.full else QUICK
     started = datetime.now()
     work = ROOT / "outputs" / "bench" / f"{started:%Y-%m-%d_%H-%M-%S}"
@@ -543,7 +560,11 @@ def main() -> None:
     say("optimizer step times")
     r["optim"] = optimizer_steps(s, work)
     command = "make bench-full" if args.full else "make bench"
-    write_results(args.out, s, command, r, started, work)
+    took = (datetime.now() - started).total_seconds()
+    # kept before the page is written: `--render WORK` writes it again without measuring
+    kept = {"r": r, "settings": asdict(s), "command": command, "started": started.isoformat(), "took": took}
+    (work / MEASUREMENTS).write_text(json.dumps(kept, default=str))
+    write_results(args.out, s, command, r, started, took, work)
     say(f"wrote {args.out}")
     print(args.out.read_text())
 

@@ -91,7 +91,7 @@ def main(job_dir: Path) -> int:
     PHASES["job.imports"] = time.perf_counter() - start
     patch(models, "load_tokenizer", "job.load_tokenizer")
     patch(models, "load_model", "job.load_model")
-    patch(data, "load_splits", "job.load_data")
+    patch(data, "read_splits", "job.load_data")  # from the cache, or loaded and cached
     patch(data, "tokenize", "job.tokenize")
     patch(memory, "optimizer_state_size", "job.state_size")
     patch(timing, "peak_flops", "job.peak_flops")
