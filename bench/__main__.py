@@ -471,6 +471,16 @@ def write_results(
         "| optimizer | step [ms] (min – max) | first step [ms] | / adamw |",
         "| --- | --- | --- | --- |",
     ]
+    base = next((o["step_ms"] for o in r["optim"] if o["optim"] == "adamw" and "step_ms" in o), None)
+    for o in r["optim"]:
+        if "error" in o:
+            lines.append(f"| {o['optim']} | not run: {o['error']} | | |")
+        else:
+            rel = f"{o['step_ms'] / base:.2f}" if base else ""
+            lines.append(
+                f"| {o['optim']} | {o['step_ms']:.1f} ({o['min_ms']:.1f} – {o['max_ms']:.1f}) | "
+                f"{o['first_step_ms']:.1f} | {rel} |"
+            )
     lines += [
         "",
         "## (g) A sweep of short jobs",
@@ -488,16 +498,6 @@ def write_results(
             for start in ("warm", "cold")
         ),
     ]
-    base = next((o["step_ms"] for o in r["optim"] if o["optim"] == "adamw" and "step_ms" in o), None)
-    for o in r["optim"]:
-        if "error" in o:
-            lines.append(f"| {o['optim']} | not run: {o['error']} | | |")
-        else:
-            rel = f"{o['step_ms'] / base:.2f}" if base else ""
-            lines.append(
-                f"| {o['optim']} | {o['step_ms']:.1f} ({o['min_ms']:.1f} – {o['max_ms']:.1f}) | "
-                f"{o['first_step_ms']:.1f} | {rel} |"
-            )
     out.write_text("\n".join(lines) + "\n")
 
 
