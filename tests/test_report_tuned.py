@@ -235,6 +235,8 @@ def test_significance_is_welchs_test_against_the_baseline_at_its_own_best_rate()
     assert math.isnan(sgd["p (Welch)"]) and sgd["n vs baseline [seeds]"] == "1 vs 3"  # < 2 seeds: no test
     assert welch([1.0, 2.0, 4.0], [3.0, 5.0]) == stats.ttest_ind([1, 2, 4], [3, 5], equal_var=False).pvalue
     assert math.isnan(welch([1.0], [2.0, 3.0]))
+    # no spread on either side: undefined (scipy answers p = 0 for these, through rounding)
+    assert math.isnan(welch([0.5, 0.5], [0.6, 0.6])) and welch([0.5, 0.5], [0.6, 0.7]) > 0
 
 
 def test_a_point_without_the_baseline_has_no_delta():

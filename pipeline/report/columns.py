@@ -113,7 +113,8 @@ TUNED_LEGEND = {
     "test macro-F1 / F1 [0-1]": "at the best rate, on the held-out test split (`eval_macro_f1`, `eval_f1`)",
     "Δ test <metric> [0-1]": "test metric minus the baseline's, each at its own best rate",
     "p (Welch), n vs baseline": "Welch's two-sided t-test (unequal variances) over seeds of the test metric "
-    "against the baseline at its best rate; empty when either side has fewer than 2 seeds",
+    "against the baseline at its best rate; empty when either side has fewer than 2 seeds or neither side has "
+    "any spread",
     "state / peak [MB]": "optimizer state and peak memory at the best rate",
     "steps to target [steps]": "first evaluation step at which the mean over seeds of the validation metric "
     "reaches the target (target fraction × the point's best final validation value); empty without history",

@@ -174,9 +174,10 @@ def select_best(rates: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 def welch(a, b) -> float:
     """p-value of Welch's two-sided t-test (unequal variances) of two samples (scipy.stats.ttest_ind with
-    equal_var=False); NaN when either sample has fewer than 2 values."""
+    equal_var=False); NaN when either sample has fewer than 2 values, and when neither has any spread (the
+    test is undefined there: scipy answers NaN or, through rounding, a p of 0)."""
     a, b = pd.Series(a, dtype=float).dropna(), pd.Series(b, dtype=float).dropna()
-    if min(len(a), len(b)) < 2:
+    if min(len(a), len(b)) < 2 or (a.nunique() == 1 and b.nunique() == 1):
         return math.nan
     from scipy import stats
 
