@@ -62,9 +62,9 @@ test-slow: install
 	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 # CI: make test and make test-slow in one session (on 2 cores 21 min against 28 one after the other), the files that
-# hold slow tests handed out first (tests/conftest.py)
+# hold slow tests handed out first (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
 test-ci: install
-	$(BIN)/python -m pytest -m "not gpu and not matrix and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -m "not gpu and not matrix and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # the real SLURM cluster's and PostgreSQL server's long tests (tests/test_slurm.py, tests/test_postgres.py): minutes each
 test-cluster: install
