@@ -71,7 +71,8 @@ def test_four_points_through_slurm_finish_under_one_parent_tagged_with_their_job
     assert len(arrays) == 1  # one array, a task per point
     assert sorted(r.data.tags["slurm_array_task_id"] for r in children) == ["0", "1", "2", "3"]
     assert {r.data.tags["slurm_node"] for r in children} == {slurm_cluster.host}
-    assert {r.data.tags["slurm_job_id"] for r in children} == {f"{arrays.pop()}_{n}" for n in range(4)}
+    (array,) = arrays
+    assert {r.data.tags["slurm_job_id"] for r in children} == {f"{array}_{n}" for n in range(4)}
     # as quiet as a local sweep: no sacct complaint where accounting is off
     assert "sacct" not in proc.stdout + proc.stderr and "accounting" not in proc.stdout + proc.stderr
     assert "[sweep] 4 jobs: 4 finished, 0 failed" in proc.stdout and "eval F1" in proc.stdout

@@ -285,11 +285,13 @@ def ranks_verdict(table: pd.DataFrame) -> list[str]:
     number of ranks that fits the batch (over the shardings planned) and the largest batch per rank there."""
     if "ranks needed" not in table or "largest batch there [samples]" not in table:
         return []
-    where = "device_memory" if "device_memory" in table else "budget [MB]"
+    # the named GPU where one was named (the column is empty where the budget is memory_budget_mb)
+    named = "device_memory" in table and table["device_memory"].notna().any()
+    where = "device_memory" if named else "budget [MB]"
     batch = KEY_LABELS["batch_size"]
     group = [k for k in ("model", where, batch) if k in table]
     lines = []
-    for key, rows in table.groupby(group, sort=False):
+    for key, rows in table.groupby(group, sort=False, dropna=False):
         key = dict(zip(group, key if isinstance(key, tuple) else (key,), strict=True))
         on = key.get("device_memory") or f"{key.get('budget [MB]', 0):,.0f} MB"
         head = f"{key.get('model', '')} on {on}" + (f", batch {int(key[batch])}/rank" if batch in key else "")
