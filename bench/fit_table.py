@@ -53,6 +53,9 @@ def cell(prediction, layout, optim: str, budget: float, extra: float) -> str:
     return f"{n}{' ' + sharding if sharding else ''}, {min(batch, 9999)}"
 
 
+FAILED: dict[str, str] = {}  # model -> why the plan could not simulate it (its cells read n/a)
+
+
 def rows(models, optims, precisions, seqs, gpus):
     from hydra import compose, initialize_config_dir
 
@@ -73,7 +76,12 @@ def rows(models, optims, precisions, seqs, gpus):
             names = tuple(catalog.load_tokenizer(cfg.model).model_input_names)
             layout = None
             for seq in seqs:
-                prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names)
+                try:
+                    prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names)
+                except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
+                    FAILED[model] = str(err)
+                    yield [model, optim, precision, "on" if ckpt else "off", str(seq), *["n/a"] * len(gpus)]
+                    continue
                 if layout is None:
                     layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True)
                 cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra) for g in gpus]
@@ -102,7 +110,8 @@ def page(found: list[list[str]], command: str, minutes: float, torch_version: st
         "classification head, the optimizer's own step (`foreach` on CUDA), gradient clipping. GaLore, APOLLO "
         "and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
-        + ".",
+        + "."
+        + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in FAILED.items()),
         "",
         "| " + " | ".join(header) + " |",
         "|" + " --- |" * len(header),
