@@ -53,10 +53,8 @@ def cell(prediction, layout, optim: str, budget: float, extra: float) -> str:
     return f"{n}{' ' + sharding if sharding else ''}, {min(batch, 9999)}"
 
 
-FAILED: dict[str, str] = {}  # model -> why the plan could not simulate it (its cells read n/a)
-
-
-def rows(models, optims, precisions, seqs, gpus):
+def rows(models, optims, precisions, seqs, gpus, failed: dict[str, str]):
+    """The table's rows; a model the plan cannot simulate gets n/a cells, and why in `failed` (model -> reason)."""
     from hydra import compose, initialize_config_dir
 
     from pipeline import models as catalog
@@ -79,7 +77,7 @@ def rows(models, optims, precisions, seqs, gpus):
                 try:
                     prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names)
                 except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
-                    FAILED[model] = str(err)
+                    failed[model] = str(err)
                     yield [model, optim, precision, "on" if ckpt else "off", str(seq), *["n/a"] * len(gpus)]
                     continue
                 if layout is None:
@@ -88,7 +86,9 @@ def rows(models, optims, precisions, seqs, gpus):
                 yield [model, optim, precision, "on" if ckpt else "off", str(seq), *cells]
 
 
-def page(found: list[list[str]], command: str, minutes: float, torch_version: str) -> str:
+def page(
+    found: list[list[str]], failed: dict[str, str], command: str, minutes: float, torch_version: str
+) -> str:
     from pipeline import plan
 
     header = ["model", "optimizer", "precision", "checkpointing", "seq [tokens]"]
@@ -111,7 +111,7 @@ def page(found: list[list[str]], command: str, minutes: float, torch_version: st
         "and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
         + "."
-        + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in FAILED.items()),
+        + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in failed.items()),
         "",
         "| " + " | ".join(header) + " |",
         "|" + " --- |" * len(header),
@@ -136,13 +136,14 @@ def main(argv=None) -> int:
     grid = [args.models.split(","), args.optims.split(","), args.precisions.split(",")]
     total = len(grid[0]) * len(grid[1]) * len(grid[2]) * 2 * len(args.seqs.split(","))
     found = []
-    for row in rows(*grid, [int(s) for s in args.seqs.split(",")], GPUS):
+    failed: dict[str, str] = {}
+    for row in rows(*grid, [int(s) for s in args.seqs.split(",")], GPUS, failed):
         found.append(row)
         print(" | ".join(row), flush=True)
         # written after every row: a table stopped early keeps what it planned, and says so
         minutes = (time.perf_counter() - start) / 60
         done = "" if len(found) == total else f" (stopped early? {len(found)} of {total} rows so far)"
-        args.out.write_text(page(found, command.strip() + done, minutes, torch.__version__))
+        args.out.write_text(page(found, failed, command.strip() + done, minutes, torch.__version__))
     print(f"[fit-table] {args.out} ({len(found)} rows, {(time.perf_counter() - start) / 60:.1f} min)")
     return 0
 
