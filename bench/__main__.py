@@ -83,7 +83,8 @@ def job_overrides(s: Settings, backend: str, seed: int, work: Path, name: str) -
         f"train.max_steps={s.steps}",
         f"train.max_length={s.max_length}",
         "train.padding=max_length",  # every batch the same shape: step times do not depend on data order
-        f"data.max_eval_samples={s.eval_samples}",
+        f"data.max_eval_samples={s.eval_samples}",  # the test split
+        f"data.max_val_samples={s.eval_samples}",  # and the validation split, each evaluated once at the end
         f"outputs_dir={work}",
         f"hydra.run.dir={work}/runs/{name}",
     ]
@@ -416,7 +417,7 @@ def write_results(
         "processes' start-up (the job's process forked from the starter, which imports torch & co. while "
         "the CLI opens the MLflow store), imports, loading and tokenizing (the splits and the simulated step "
         "from outputs/cache after the first job), backend setup, evaluation "
-        f"({s.eval_samples} eval samples), MLflow, teardown. Import floor = wall time of "
+        f"({s.eval_samples} samples of the test split and {s.eval_samples} of the validation split), MLflow, teardown. Import floor = wall time of "
         f'`python -c "import torch, transformers, mlflow"`: {cell(floors)} s. MLflow = time inside '
         "the pipeline's `Tracker` (its construction, which imports mlflow and opens the store, and "
         "every call). Phases from `bench/probe.py` (stopwatches around the real code), in seconds:",

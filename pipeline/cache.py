@@ -68,3 +68,20 @@ def write_json(path: Path, value) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
+
+
+class Store:
+    """Entries of one kind in `folder`, each a JSON value keyed by its inputs and `context` (what every entry
+    depends on besides: library versions)."""
+
+    def __init__(self, folder: Path, *context):
+        self.folder, self.context = Path(folder), context
+
+    def get(self, inputs: list, compute):
+        """The entry for `inputs`: read back, or `compute()`d (JSON-able) and kept."""
+        path = self.folder / f"{key(*self.context, *inputs)}.json"
+        value = read_json(path)
+        if value is None:
+            value = compute()
+            write_json(path, value)
+        return value

@@ -145,28 +145,29 @@ NOT_IN_PLAN_TRAIN = ("max_steps",)
 def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1) -> dict:
     """The plan's peak, activations and method for this step (pipeline.plan.simulate), and each rank's peak
     (`rank_peaks`, pipeline.plan_ranks: one entry, or one per rank under ZeRO-1) for `world` ranks, simulated
-    once per sweep point and kept under <outputs_dir>/cache/plan (pipeline.cache): the seeds of a point share
-    it."""
+    once per sweep point and batch shape and kept under <outputs_dir>/cache/plan (pipeline.cache); its two
+    costly parts are kept there too, each under what it depends on: the forward/backward pass by model and
+    sequence length (any batch size, seed or optimizer), the optimizer step by model and optimizer settings."""
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
-    path = cache.folder(cfg.outputs_dir, "plan") / f"{cache.key(*inputs, library_versions())}.json"
-    figures = cache.read_json(path)
-    if figures is None:
+    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions())
+
+    def figures() -> dict:
         from pipeline import plan, plan_ranks
 
-        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names)
+        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store)
         layout = plan_ranks.Layout(found["model"], spec, cfg, foreach=cuda)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
-        figures = {
+        return {
             "peak": found["peak"],
             "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
             "method": found["method"],
         }
-        cache.write_json(path, figures)
-    return figures
+
+    return store.get(["step", *inputs], figures)
 
 
 def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:

@@ -129,13 +129,21 @@ class Profile:
     batch that fits a budget, without simulating. A smaller batch (one sample) is simulated itself: its
     size-1 dimensions make some copies views."""
 
-    def __init__(self, trace_at):
-        """`trace_at(batch)`: the parts (bytes) after every allocation of a pass of that batch size."""
-        (b1, b2), self._trace_at, self._small = TRACED_BATCHES, trace_at, {}
-        x, y = trace_at(b1), trace_at(b2)
-        _check_aligned({"pass": x}, {"pass": y}, f"batch sizes {b1} and {b2}")
-        self.per_sample = (y - x) / (b2 - b1) / MB  # allocations x PART_KEYS
-        self.base = x / MB - b1 * self.per_sample
+    def __init__(self, trace_at, lines: tuple | None = None):
+        """`trace_at(batch)`: the parts (bytes) after every allocation of a pass of that batch size; `lines`:
+        (base, per_sample) as `lines()` gave them for the same pass, else traced here."""
+        self._trace_at, self._small = trace_at, {}
+        if lines is None:
+            (b1, b2) = TRACED_BATCHES
+            x, y = trace_at(b1), trace_at(b2)
+            _check_aligned({"pass": x}, {"pass": y}, f"batch sizes {b1} and {b2}")
+            per_sample = (y - x) / (b2 - b1) / MB  # allocations x PART_KEYS
+            lines = x / MB - b1 * per_sample, per_sample
+        self.base, self.per_sample = (np.asarray(a, dtype=float) for a in lines)
+
+    def lines(self) -> list:
+        """(base, per_sample) as lists (JSON)."""
+        return [self.base.tolist(), self.per_sample.tolist()]
 
     def values(self, batch: int) -> np.ndarray:
         """The parts (MB) after every allocation for `batch` samples."""
@@ -259,10 +267,13 @@ def _stretches(model, tracker):
             handle.remove()
 
 
-def profile(model_config, precision: str, checkpointing: bool, seq: int, names=INPUT_NAMES) -> Profile:
+def profile(
+    model_config, precision: str, checkpointing: bool, seq: int, names=INPUT_NAMES, store=None
+) -> Profile:
     """The forward and backward pass's Profile for sequences of `seq` tokens (cached: a sweep's plans of one
-    model share it). Simulated at TRACED_BATCHES, and, for a deep model, at SHALLOW's depths, each trace then
-    extrapolated to the model's depth: four passes of a 2- or 3-layer model plan an 8B one."""
+    model share it; in `store` too, a pipeline.cache.Store, where other processes find it). Simulated at
+    TRACED_BATCHES, and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's
+    depth: four passes of a 2- or 3-layer model plan an 8B one."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config)
@@ -278,7 +289,10 @@ def profile(model_config, precision: str, checkpointing: bool, seq: int, names=I
             depth = model_config.num_hidden_layers
             return np.concatenate([_to_depth(a[w], b[w], depth) for w in sorted(a)])
 
-        _PROFILES[key] = Profile(trace_at)
+        lines = None
+        if store is not None:
+            lines = store.get(["pass", *key], lambda: Profile(trace_at).lines())
+        _PROFILES[key] = Profile(trace_at, lines)
     return _PROFILES[key]
 
 
@@ -380,9 +394,12 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
     }
 
 
-def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES) -> dict:
+def simulate(
+    model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES, store=None
+) -> dict:
     """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens, the optimizer
-    step's own peak, the state, how the step was found, the fake model and the pass's Profile."""
+    step's own peak, the state, how the step was found, the fake model and the pass's Profile. `store` (a
+    pipeline.cache.Store): where the pass and the optimizer step are kept for other processes."""
     from pipeline import optimizers
 
     precision = cfg.train.precision
@@ -390,7 +407,7 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
     _, model = fake_model(model_config, precision, checkpointing)
     params = optimizers.param_infos(model)
     state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
-    steps = profile(model_config, precision, checkpointing, seq, names)
+    steps = profile(model_config, precision, checkpointing, seq, names, store)
     fb = steps.parts(batch)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
@@ -398,7 +415,11 @@ def simulate(model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, 
     )
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda)
     if key not in _OPTIMIZER_STEP:
-        _OPTIMIZER_STEP[key] = optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda)
+
+        def step() -> list:
+            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda))
+
+        _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
     step, method = _OPTIMIZER_STEP[key]
     if step is None:
         step = analytic_step(model, state * MB, spec)

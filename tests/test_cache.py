@@ -54,22 +54,20 @@ def test_splits_are_read_once_and_read_again_when_their_file_changes(tmp_path):
     assert len(entries(cached)) == 3
 
 
-def simulated(tmp_path, *overrides) -> dict:
+def simulated(tmp_path, *overrides, batch=(16, 32)) -> dict:
     cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}", *overrides)
     model = models.load_model(cfg.model, num_labels=2)
     spec = optimizers.spec_for(cfg.optim)
-    return measurements.simulated_step(
-        cfg, spec, model.config, (16, 32), False, ("input_ids", "attention_mask")
-    )
+    return measurements.simulated_step(cfg, spec, model.config, batch, False, ("input_ids", "attention_mask"))
 
 
-def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path):
+def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     torch.manual_seed(0)
     first = simulated(tmp_path, "seed=0")
     cached = tmp_path / "cache" / "plan"
-    assert len(entries(cached)) == 1
-    assert simulated(tmp_path, "seed=1", "train.max_steps=7") == first  # same step: the same entry
-    assert len(entries(cached)) == 1
+    assert len(entries(cached)) == 3  # the step's figures, its forward/backward pass, its optimizer step
+    assert simulated(tmp_path, "seed=1", "train.max_steps=7") == first  # same step: the same entries
+    assert len(entries(cached)) == 3
     # what the entry holds is what the plan computes for that step
     cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}")
     model = models.load_model(cfg.model, num_labels=2)
@@ -83,8 +81,22 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path):
     }
     assert {key: first[key] for key in expected} == json.loads(json.dumps(expected))
     assert first["rank_peaks"] == [first["peak"]]  # one rank: its peak is the step's
-    # another optimizer, precision or batch is another step
+    # another batch size of the same length, in a process that has simulated nothing: the pass and the
+    # optimizer step are read back, and give what simulating them gives
+    with monkeypatch.context() as patch:
+        patch.setattr(plan, "_PROFILES", {})
+        patch.setattr(plan, "_OPTIMIZER_STEP", {})
+        patch.setattr(plan, "_trace", None)  # nothing is simulated: a call would fail
+        patch.setattr(plan, "optimizer_step", None)
+        read_back = simulated(tmp_path, batch=(5, 32))
+    assert len(entries(cached)) == 4
+    fresh = plan.simulate(
+        model.config, optimizers.spec_for(cfg.optim), cfg, 5, 32, names=("input_ids", "attention_mask")
+    )
+    assert read_back["peak"] == fresh["peak"] and read_back["activations"] == fresh["parts"]["activations"]
+    # another optimizer is another step and optimizer step; another precision another pass too
     adafactor = simulated(tmp_path, "optim=adafactor")
+    assert len(entries(cached)) == 6
     simulated(tmp_path, "train.precision=bf16")
-    assert len(entries(cached)) == 3
+    assert len(entries(cached)) == 9
     assert adafactor["peak"] < first["peak"]
