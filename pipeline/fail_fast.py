@@ -4,7 +4,9 @@ The launching process of a sweep holds the config composed with the constant ove
 swept key at its default (Hydra's multirun config). Each check of pipeline.config names the keys its verdict
 depends on (ConfigError.keys). When no sweep varies any of those keys, nor any key their values interpolate,
 every point fails that check with the same line: the command stops with it (exit 2) before any run is opened,
-as a single run does. A check that depends on a swept key stays a FAILED run of the points it fails.
+as a single run does. So does a swept value that fails a check whatever the other swept keys are
+(`batch_size=8,-1`: no point could use -1). A check that depends on the other swept keys stays a FAILED run of
+the points it fails.
 
 The rule reads the overrides and the option files of swept config groups: it composes no point, so it costs
 the same for a sweep of 2 points and of 2,000.
@@ -12,6 +14,8 @@ the same for a sweep of 2 points and of 2,000.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -70,6 +74,7 @@ class Sweep:
     keys: set[str] = field(default_factory=set)  # keys given several values (key sweeps, sweeper params)
     groups: set[str] = field(default_factory=set)  # keys that the options of swept config groups set
     fixed: set[str] = field(default_factory=set)  # keys set by a constant override: the same at every point
+    values: dict[str, list] = field(default_factory=dict)  # a swept key's values, where the sweep lists them
 
     def varies(self, key: str, seen: set[str] | None = None) -> bool:
         """Whether the key's value can differ between points of the sweep."""
@@ -151,6 +156,10 @@ def sweep_of(config: DictConfig) -> Sweep | None:
                 sweep.groups |= keys
         elif swept:
             sweep.keys.add(name)
+            try:
+                sweep.values[name] = list(override.sweep_iterator())
+            except Exception:  # an interval (a sweeper samples it) or a value the parser cannot list
+                pass
         else:
             sweep.fixed.add(name)
     return sweep
@@ -164,4 +173,21 @@ def point_independent_error(config: DictConfig) -> ConfigError | None:
     for err in problems(config):
         if err.keys and not any(sweep.varies(key) for key in err.keys):
             return err
+    return unusable_value_error(config, sweep)
+
+
+def unusable_value_error(config: DictConfig, sweep: Sweep) -> ConfigError | None:
+    """The first problem of a swept value that no point could escape: checked with that key at that value, it
+    depends on no other key the sweep varies."""
+    for name, values in sweep.values.items():
+        others = dataclasses.replace(sweep, keys=sweep.keys - {name}, fixed=sweep.fixed | {name})
+        for value in values:
+            point = copy.deepcopy(config)
+            try:
+                OmegaConf.update(point, name, value, merge=False)
+            except Exception:  # a key the config lacks (`+key=...`) or a value of another type: the point says
+                continue
+            for err in problems(point):
+                if err.keys and not any(others.varies(key) for key in err.keys):
+                    return err
     return None

@@ -21,9 +21,10 @@ from pipeline import report
 from pipeline.sweep import SweepCallback
 from tests.conftest import ROOT, TINY, run_cli, store, sweep_runs
 
-# 2 optimizers x 2 batch sizes x 2 seeds; batch_size=0 adds 4 points that fail at validation, before any
-# job process starts (no cost), for the failed-jobs table
-SWEEP = ["-m", "optim=adamw,adafactor", "batch_size=0,2,4", "seed=0,1", *TINY[:3], "train.max_steps=2"]
+# 2 optimizers x 2 batch sizes x 2 seeds; data=csv without its files adds 8 points that fail at validation,
+# before any job process starts (no cost), for the failed-jobs table
+DATA = "data=rotten_tomatoes,csv"
+SWEEP = ["-m", "optim=adamw,adafactor", "batch_size=2,4", "seed=0,1", DATA, *TINY[:3], "train.max_steps=2"]
 PLOTS = ["state_mb.png", "peak_memory.png", "f1_vs_peak.png", "train_loss.png"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -33,9 +34,9 @@ def sweep(tmp_path_factory):
     """The module's only sweep: (tmp, CLI process, parent run, child runs); the sweep's end wrote the report."""
     tmp = tmp_path_factory.mktemp("report")
     proc = run_cli(tmp, *SWEEP)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # 1: the batch_size=0 points failed
+    assert proc.returncode == 1, proc.stderr[-3000:]  # 1: the data=csv points failed
     parent, children = sweep_runs(tmp)
-    assert sorted(r.info.status for r in children) == ["FAILED"] * 4 + ["FINISHED"] * 8
+    assert sorted(r.info.status for r in children) == ["FAILED"] * 8 + ["FINISHED"] * 8
     return tmp, proc, parent, children
 
 
@@ -173,15 +174,16 @@ def test_the_markdown_and_html_tables_show_mean_std_and_units(sweep, out, table)
     assert "<th>Δ state [%]</th>" in page
 
 
-def test_failed_jobs_have_their_own_table_with_their_error(sweep, out):
+def test_failed_jobs_have_their_own_table_with_their_error(sweep, out, table):
+    assert len(table) == 4  # the finished points only: 2 optimizers x 2 batch sizes
     failed = [r for r in sweep[3] if r.info.status == "FAILED"]
     md = (out / "report.md").read_text()
     section = md.split("## Failed jobs")[1].split("## Plots")[0]
     for run in failed:
         line = next(line for line in section.splitlines() if run.info.run_name in line)
-        assert "ConfigError: batch_size=0 is invalid: must be a positive integer" in line
-    assert section.count("| FAILED |") == 4
-    assert "| tiny | 0 |" not in md.split("## Failed jobs")[0]  # not in the comparison
+        assert "ConfigError: data.train_file is required" in line
+    assert section.count("| FAILED |") == 8
+    assert "| csv |" not in md.split("## Failed jobs")[0]  # not in the comparison
 
 
 def test_the_plots_are_real_images_embedded_in_the_html(out):
@@ -296,7 +298,7 @@ def test_report_html_renders_in_headless_chromium(out, tmp_path):
 def test_the_page_leads_with_the_sweeps_status_and_the_decision_columns(out):
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     # written before the sweep closes its parent run, the header still gives the status it closes it with
-    assert re.search(r"^- sweep `sweep-[\d_-]+`: FAILED", md, re.M)  # (the batch_size=0 points failed)
+    assert re.search(r"^- sweep `sweep-[\d_-]+`: FAILED", md, re.M)  # (the data=csv points failed)
     assert "RUNNING" not in md
     lead = md.split("## Comparison\n\n")[1].splitlines()[0]
     assert lead == (

@@ -204,15 +204,15 @@ def test_parallel_jobs_give_the_numbers_of_a_sequential_sweep(mlflow_server, par
 
 
 def test_a_failing_job_in_a_worker_fails_alone(tmp_path):
-    proc = run_cli(tmp_path, "-m", "batch_size=0,4", *TINY, "train.max_steps=1", "launcher=parallel")
+    proc = run_cli(tmp_path, "-m", "data=rotten_tomatoes,csv", *TINY, "train.max_steps=1", "launcher=parallel")
     assert proc.returncode == 1
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "FAILED"
-    status = {r.data.params["batch_size"]: r.info.status for r in children}
-    assert status == {"0": "FAILED", "4": "FINISHED"}
+    status = {r.data.params["data"]: r.info.status for r in children}
+    assert status == {"csv": "FAILED", "rotten_tomatoes": "FINISHED"}
     assert (
-        "[sweep] 1 failed: adamw-tiny-rotten_tomatoes-trainer-bs0-s0 (config: ConfigError: batch_size=0 is "
-        "invalid: must be a positive integer)" in proc.stderr
+        "[sweep] 1 failed: adamw-tiny-csv-trainer-bs16-s0 (config: ConfigError: data.train_file is required: "
+        "set it on the command line (data.train_file=...))" in proc.stderr
     )
 
 

@@ -112,14 +112,15 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 def test_a_bad_point_in_a_sweep_fails_alone(tmp_path):
-    proc = run_cli(tmp_path, "-m", "batch_size=0,4", *TINY, "train.max_steps=1")
+    """data=csv without its files is bad only at the points of that option: those fail, the others train."""
+    proc = run_cli(tmp_path, "-m", "data=rotten_tomatoes,csv", *TINY, "train.max_steps=1")
     assert proc.returncode == 1
     _, children = sweep_runs(tmp_path)
-    status = {r.data.params["batch_size"]: r for r in children}
-    assert status["4"].info.status == "FINISHED"
-    assert status["0"].info.status == "FAILED"
-    assert (
-        status["0"].data.tags["error"] == "ConfigError: batch_size=0 is invalid: must be a positive integer"
+    status = {r.data.params["data"]: r for r in children}
+    assert status["rotten_tomatoes"].info.status == "FINISHED"
+    assert status["csv"].info.status == "FAILED"
+    assert status["csv"].data.tags["error"] == (
+        "ConfigError: data.train_file is required: set it on the command line (data.train_file=...)"
     )
 
 
