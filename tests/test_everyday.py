@@ -118,8 +118,11 @@ def test_a_constant_invalid_only_with_a_swept_value_stays_a_failed_point(tmp_pat
         (["backend=deepspeed"], "backend=deepspeed is invalid: allowed values are accelerator, trainer"),
         # a swept value that no point could use stops the sweep before any job, as it would a single run
         (["-m", "model=tiny", "batch_size=8,-1"], "batch_size=-1 is invalid: must be a positive integer"),
-        (["-m", "optim=adamw,sgd", "train.padding=longest,longset"], "train.padding='longset' is invalid: "
-         "allowed values are longest, max_length; did you mean longest?"),  # fmt: skip
+        (
+            ["-m", "optim=adamw,sgd", "train.padding=longest,longset"],
+            "train.padding='longset' is invalid: "
+            "allowed values are longest, max_length; did you mean longest?",
+        ),  # fmt: skip
     ],
 )
 def test_unknown_names_get_a_did_you_mean_when_one_is_close(args, message, tmp_path):

@@ -204,7 +204,9 @@ def test_parallel_jobs_give_the_numbers_of_a_sequential_sweep(mlflow_server, par
 
 
 def test_a_failing_job_in_a_worker_fails_alone(tmp_path):
-    proc = run_cli(tmp_path, "-m", "data=rotten_tomatoes,csv", *TINY, "train.max_steps=1", "launcher=parallel")
+    proc = run_cli(
+        tmp_path, "-m", "data=rotten_tomatoes,csv", *TINY, "train.max_steps=1", "launcher=parallel"
+    )
     assert proc.returncode == 1
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "FAILED"
