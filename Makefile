@@ -133,7 +133,9 @@ postgres-up: install
 ui: install
 	$(BIN)/python -m pipeline.browse --tracking-uri "$(MLFLOW_UI_URI)" --port $(UI_PORT)
 
-# the admin's password and the key that signs the UI's sessions come from the environment, never from a file
+# the admin's password and the key that signs the UI's sessions come from the environment, never from a file;
+# a line "[server] ready: ..." once it answers (its workers take tens of seconds to start); MLflow's own import of
+# Starlette's deprecated WSGI middleware warns once per worker: filtered
 server: install
 	$(if $(MLFLOW_AUTH_ADMIN_PASSWORD),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it (the password of the server's admin account, 12 characters or more; docs/mlflow.md)))
 	$(if $(shell test $${#MLFLOW_AUTH_ADMIN_PASSWORD} -ge 12 && echo ok),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is too short: MLflow wants 12 characters or more))
@@ -142,7 +144,9 @@ server: install
 	@mkdir -p $(dir $(SERVER_AUTH_CONFIG))
 	@printf '[mlflow]\ndefault_permission = EDIT\ndatabase_uri = %s\nadmin_username = admin\n' \
 		"$(SERVER_AUTH_STORE)" > $(SERVER_AUTH_CONFIG)
+	$(BIN)/python -m pipeline.browse --ready --tracking-uri http://127.0.0.1:$(SERVER_PORT) & \
 	MLFLOW_AUTH_CONFIG_PATH=$(SERVER_AUTH_CONFIG) MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$(SERVER_JOB_EXECUTION) \
+		PYTHONWARNINGS="ignore:starlette.middleware.wsgi is deprecated" \
 		$(BIN)/mlflow server --app-name basic-auth \
 		--backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \
 		--host $(SERVER_HOST) --port $(SERVER_PORT) --workers $(SERVER_WORKERS) --allowed-hosts "$(SERVER_ALLOWED_HOSTS)"

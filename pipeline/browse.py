@@ -85,6 +85,26 @@ def server_answers(url: str, timeout: float = 3) -> bool:
         return False
 
 
+READY_WAIT_S = 600  # how long --ready waits for a starting server
+
+
+def announce_ready(url: str) -> int:
+    """`make server`'s ready line: printed once the server at `url` answers its health check (its workers
+    start in tens of seconds); 1, and a line saying so, when it does not within READY_WAIT_S."""
+    deadline = time.monotonic() + READY_WAIT_S
+    while not server_answers(url, timeout=1):
+        if time.monotonic() > deadline:
+            print(f"[server] {url} did not answer within {READY_WAIT_S} s: see its log above", flush=True)
+            return 1
+        time.sleep(1)
+    print(
+        f"[server] ready: {url} answers (its UI at {url}/#/experiments; teammates record with "
+        "MLFLOW_TRACKING_URI=http://<this host>:<port>, docs/mlflow.md)",
+        flush=True,
+    )
+    return 0
+
+
 def can_open_browser() -> bool:
     """A graphical browser is at hand (a desktop session): never a text browser taking over the terminal."""
     return sys.platform in ("darwin", "win32") or bool(
@@ -131,7 +151,12 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=PORT, help="its port (default: %(default)s)")
     parser.add_argument("--no-serve", action="store_true", help="print the address only")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    parser.add_argument(
+        "--ready", action="store_true", help="wait until the server at --tracking-uri answers, say so, exit"
+    )
     args = parser.parse_args(argv)
+    if args.ready:
+        return announce_ready(args.tracking_uri)
     uri = store_uri(args.tracking_uri, "outputs")
     if is_server(uri) and not server_answers(uri):
         print(

@@ -218,7 +218,7 @@ def team_server(request, tmp_path_factory):
                 log = (tmp / "server.log").read_text()[-3000:]
                 assert server.poll() is None and time.time() < deadline, log
                 time.sleep(0.5)
-        yield uri, port
+        yield uri, port, tmp / "server.log"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -226,6 +226,16 @@ def team_server(request, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_make_server_says_when_it_is_ready_and_filters_starlettes_warning(team_server):
+    _, port, log = team_server
+    deadline = time.time() + 60  # the ready line follows the first health check that answers
+    while "[server] ready" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    text = log.read_text()
+    assert f"[server] ready: http://127.0.0.1:{port} answers" in text, text[-3000:]
+    assert "StarletteDeprecationWarning" not in text
 
 
 def login(monkeypatch, user: str | None, password: str | None) -> dict:
@@ -240,7 +250,7 @@ def login(monkeypatch, user: str | None, password: str | None) -> dict:
 
 
 def test_a_server_that_wants_a_login_is_one_line_naming_the_variables(team_server, tmp_path, monkeypatch):
-    uri, _ = team_server
+    uri, _, _ = team_server
     login(monkeypatch, None, None)
     proc = run_cli(tmp_path, "-m", "seed=1,2", *PLAN, "tracking=server", f"tracking.uri={uri}")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -261,7 +271,7 @@ def test_a_server_that_wants_a_login_is_one_line_naming_the_variables(team_serve
 
 
 def test_a_teammate_with_an_account_records_through_the_hosts_address(team_server, tmp_path, monkeypatch):
-    uri, port = team_server
+    uri, port, _ = team_server
     address = host_address()
     if address is None:
         pytest.skip("this host has no non-loopback address")
@@ -293,7 +303,7 @@ def test_a_teammate_with_an_account_records_through_the_hosts_address(team_serve
 
 
 def test_sweeps_creating_the_experiment_at_once_on_a_server_get_one(team_server, monkeypatch):
-    uri, _ = team_server
+    uri, _, _ = team_server
     login(monkeypatch, "admin", ADMIN_PASSWORD)
     ids, errors = [], []
 
