@@ -79,15 +79,16 @@ def waiting(folder: Path) -> list[Path]:
     return sorted(path.parent for path in Path(folder).glob(f"**/{UNRECORDED_FILE}"))
 
 
-def finished_waiting(outputs_dir: Path, tracking_uri: str, config_hash: str) -> Path | None:
-    """A job folder of the default run and sweep folders (outputs_dir/runs, outputs_dir/multirun) holding a
-    FINISHED result of this point for this store that waits to be recorded: a resumed sweep records it instead
-    of training the point again."""
+def finished_waiting(outputs_dir: Path, tracking_uri: str, config_hash: str, sweep_dirs=()) -> Path | None:
+    """A job folder of the default run and sweep folders (outputs_dir/runs, outputs_dir/multirun, and the
+    `sweep_dirs` wherever hydra.sweep.dir put them) holding a FINISHED result of this point for this store that
+    waits to be recorded: a resumed sweep records it instead of training the point again."""
     outputs_dir = Path(outputs_dir)
-    found = [
+    found = {
         *outputs_dir.glob(f"multirun/*/*/{UNRECORDED_FILE}"),
         *outputs_dir.glob(f"runs/*/{UNRECORDED_FILE}"),
-    ]
+        *(path for folder in sweep_dirs for path in Path(folder).glob(f"*/{UNRECORDED_FILE}")),
+    }
     for path in sorted(found):
         try:
             record = json.loads(path.read_text())

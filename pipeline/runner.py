@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import learning_rate
@@ -327,7 +328,13 @@ def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
         done = None
     if done is not None:
         return done, None
-    folder = journal.finished_waiting(Path(cfg.outputs_dir), tracker.uri, point)
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    folders = [hydra_cfg.sweep.dir] if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN else []
+    try:  # the folders of the experiment's earlier sweeps, wherever hydra.sweep.dir put them
+        folders += tracker.sweep_dirs(experiment_id)
+    except Exception:  # the store is away: this sweep's own folder and outputs_dir's are looked in
+        pass
+    folder = journal.finished_waiting(Path(cfg.outputs_dir), tracker.uri, point, folders)
     if folder is None:
         return None, None
     try:

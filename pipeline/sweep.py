@@ -248,7 +248,12 @@ class SweepCallback(Callback):
         parent = tracker.start_run(
             experiment_id,
             name=f"sweep-{sweep_dir.name}",
-            tags={"sweep_dir": str(sweep_dir.resolve()), "overrides": overrides, "kind": "sweep"},
+            tags={
+                "sweep_dir": str(sweep_dir.resolve()),
+                "outputs_dir": str(Path(config.outputs_dir).resolve()),  # where its report goes
+                "overrides": overrides,
+                "kind": "sweep",
+            },
         )
         ids = {
             "tracking_uri": tracker.uri,

@@ -378,6 +378,13 @@ class Tracker:
         )
         return runs[0] if runs else None
 
+    def sweep_dirs(self, experiment_id: str) -> list[str]:
+        """The folders of the experiment's sweeps, as their parent runs name them (tag `sweep_dir`)."""
+        runs = self.client.search_runs(
+            [experiment_id], filter_string="tags.kind = 'sweep'", max_results=10000
+        )
+        return sorted({r.data.tags["sweep_dir"] for r in runs if "sweep_dir" in r.data.tags})
+
     def child_runs(self, experiment_id: str, parent_run_id: str, status: str | None = None):
         """The runs under a parent run (a sweep's jobs), those of one status when given."""
         where = f"tags.mlflow.parentRunId = '{parent_run_id}'"

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from pipeline import MB, job, models, optimizers
 from pipeline.memory import MemoryBudgetExceeded, optimizer_state_size
-from tests.conftest import CONF, ROOT, compose_cfg, run_cli, store, sweep_runs
+from tests.conftest import CONF, ROOT, TINY, compose_cfg, run_cli, store, sweep_runs
 from tests.test_memory import one_step
 from tests.test_optimizers import trainer_optimizer
 
@@ -561,6 +561,19 @@ def test_the_report_follows_the_outputs_dir_a_sweep_used(reruns):
         # the latest sweep with results, and the report under that outputs_dir, not ./outputs
         assert f"report: {tmp}/report/{forced.info.run_name}/report.html" in proc.stdout
     assert not (ROOT / "outputs" / "report" / forced.info.run_name).exists()
+
+
+def test_a_sweep_in_a_folder_of_its_own_reports_where_its_own_report_went(tmp_path):
+    """hydra.sweep.dir puts the sweep outside outputs_dir: `make report` (no outputs_dir given) still writes
+    under the sweep's outputs_dir, where the sweep's end wrote its report, not two folders above the sweep."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere" / "s"
+    proc = run_cli(out, "-m", "seed=0", *TINY, "train.max_steps=1", f"hydra.sweep.dir={elsewhere}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "report" / "sweep-s" / "report.html").exists()
+    again = report_cli(f"tracking.uri=sqlite:///{out}/mlflow.db")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"report: {out}/report/sweep-s/report.html" in again.stdout
+    assert not (tmp_path / "report").exists()
 
 
 def test_the_report_of_a_single_run(reruns):

@@ -378,22 +378,23 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
             tmp_path / "reference", *THREE_POINTS, *on_server, "tracking.experiment=reference"
         )
         assert reference.returncode == 0, reference.stderr[-3000:]
-        # the server goes away while the first job trains and comes back after the sweep has ended
-        out = tmp_path / "outage"
+        # the server goes away while the first job trains and comes back after the sweep has ended; the sweep
+        # is in a folder of its own (hydra.sweep.dir), outside outputs_dir
+        out, sweep_dir = tmp_path / "outage", tmp_path / "elsewhere" / "outage"
         env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **SHORT_RETRIES}
         cmd = [sys.executable, "-m", "pipeline", *THREE_POINTS, *on_server, "tracking.experiment=outage"]
+        cmd += [f"hydra.sweep.dir={sweep_dir}"]
         with open(tmp_path / "sweep.out", "w") as stdout, open(tmp_path / "sweep.err", "w") as stderr:
             sweep = subprocess.Popen(
                 [*cmd, f"outputs_dir={out}"], cwd=ROOT, env=env, stdout=stdout, stderr=stderr
             )
             deadline = time.time() + 300
-            while not list(out.glob("multirun/*/0/config.yaml")):  # its run is open, its job process starts
+            while not list(sweep_dir.glob("0/config.yaml")):  # its run is open, its job process starts
                 assert sweep.poll() is None and time.time() < deadline, (tmp_path / "sweep.err").read_text()
                 time.sleep(0.2)
             stop_mlflow_server(server)
             assert sweep.wait(timeout=900) == 1
         err = (tmp_path / "sweep.err").read_text()
-        (sweep_dir,) = out.glob("multirun/*")
         assert sorted(p.parent.name for p in sweep_dir.glob("*/unrecorded.json")) == ["0", "1", "2"], err
         assert sorted(p.parent.name for p in sweep_dir.glob("*/result.json")) == ["0", "1", "2"]
         assert "Traceback" not in err, err[-3000:]
@@ -409,14 +410,16 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
             assert done.returncode == 0, done.stderr[-3000:]
             return done
 
-        # one job folder by hand, then the same sweep again: it records the other two instead of training
-        # them, and skips every point
+        # one job folder by hand, then the same sweep again, in outputs_dir's own sweep folder this time: it
+        # finds the other two where the outage's parent run says its folder is, records them instead of
+        # training them, and skips every point
         assert "[record] 1 results recorded, 0 sweeps closed" in record(sweep_dir / "0").stdout
         rerun = run_cli(out, *THREE_POINTS, *on_server, "tracking.experiment=outage")
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         assert rerun.stdout.count("[job] recorded the result that waited in") == 2, rerun.stdout
         assert "[sweep] 3 skipped" in rerun.stdout
-        assert len(list(out.glob("multirun/*/*/result.json"))) == 3  # nothing trained again
+        assert len(list(sweep_dir.glob("*/result.json"))) == 3
+        assert not list(out.glob("multirun/*/*/result.json"))  # nothing trained again
         # the outage's sweep itself: its parent run closes once none of its outcomes waits
         assert "[record] 0 results recorded, 1 sweeps closed" in record(sweep_dir).stdout
         assert not list(sweep_dir.glob("*/unrecorded.json"))

@@ -374,12 +374,15 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
 
 def outputs_of(uri: str, parents: pd.DataFrame | None) -> Path:
     """The outputs_dir a report goes under when none is given: the sweep's own (its parent run's tag
-    `sweep_dir` is <outputs_dir>/multirun/<time>) where that folder is on this machine, else the folder of a
-    local (sqlite) store, which lives at <outputs_dir>/mlflow.db, else `outputs`."""
-    for sweep_dir in (
-        [] if parents is None else parents.reindex(columns=["tags.sweep_dir"]).iloc[:, 0].dropna()
-    ):
-        if Path(sweep_dir).is_dir():
+    `outputs_dir`; for a sweep recorded before that tag, the folder two above its `sweep_dir`, the default
+    <outputs_dir>/multirun/<time>) where that folder is on this machine, else the folder of a local (sqlite)
+    store, which lives at <outputs_dir>/mlflow.db, else `outputs`. So `make report` writes where the sweep's
+    own report went, wherever hydra.sweep.dir put the sweep."""
+    for _, parent in [] if parents is None else parents.iterrows():
+        own, sweep_dir = parent.get("tags.outputs_dir"), parent.get("tags.sweep_dir")
+        if isinstance(own, str) and Path(own).is_dir():
+            return Path(own)
+        if isinstance(sweep_dir, str) and Path(sweep_dir).is_dir():
             return Path(sweep_dir).parent.parent
     if uri.startswith("sqlite:///"):
         return Path(uri.removeprefix("sqlite:///")).parent
