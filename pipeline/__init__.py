@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 MB = 1024**2  # every "MB" the pipeline records is 2^20 bytes
 
 
@@ -22,3 +24,21 @@ def learning_rate(cfg) -> float:
     `optim.lr`) times `train.lr_scale`, to 12 significant digits (5e-5 x 3.16 is 0.000158, not the float
     product's 0.00015800000000000002, in params, logs and the report)."""
     return float(f"{cfg.train.lr * cfg.train.get('lr_scale', 1.0):.12g}")
+
+
+# what optim=custom builds when neither custom_optim nor optim.target is set
+CUSTOM_DEFAULT = "torch.optim.AdamW"
+
+
+def custom_optim(part: str, *, _root_) -> str:
+    """conf/optim/custom.yaml's `name` and `target` from the top-level key `custom_optim` (module.Class, so
+    that `-m optim=adamw,custom custom_optim=torch.optim.NAdam` puts any class beside registered optimizers in
+    one command): its name is the class's (its runs, rows and lines carry it) and its target the class; unset
+    (null), `custom` and torch.optim.AdamW."""
+    path = _root_.get("custom_optim")
+    if part == "name":
+        return "custom" if path is None else str(path).rsplit(".", 1)[-1]
+    return CUSTOM_DEFAULT if path is None else str(path)
+
+
+OmegaConf.register_new_resolver("custom_optim", custom_optim, replace=True)

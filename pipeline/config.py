@@ -164,7 +164,12 @@ def _check_custom_optimizer(cfg: DictConfig) -> None:
         try:
             check_custom(cfg)
         except ValueError as err:
-            raise ConfigError(str(err), ("optim.name", "optim.target", "optim.kwargs")) from None
+            message = str(err)
+            if cfg.get("custom_optim") is not None and cfg.optim.target == cfg.custom_optim:  # set there
+                message = message.replace("optim.target=", "custom_optim=", 1)
+            raise ConfigError(
+                message, ("optim.name", "optim.target", "optim.kwargs", "custom_optim")
+            ) from None
 
 
 def _check_sharding_backend(cfg: DictConfig) -> None:

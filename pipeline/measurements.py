@@ -139,6 +139,7 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
 # classes is the model config's), how many steps follow it, evaluation, and where and how the job runs
 NOT_IN_PLAN = ("seed", "data", "eval", "tracking", "outputs_dir", "force", "log_level", "launcher", "hydra")
 NOT_IN_PLAN += ("memory_track_steps", "memory_budget_mb", "find_batch_size", "plan", "device_memory")
+NOT_IN_PLAN += ("custom_optim",)  # what it selects is in `optim`
 NOT_IN_PLAN_TRAIN = ("max_steps",)
 
 

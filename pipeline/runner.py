@@ -77,6 +77,8 @@ def job_params(cfg: DictConfig) -> dict:
         "device_memory": cfg.device_memory,
         "world_size": cfg.launcher.nproc_per_job,
         "sharding": cfg.train.sharding,
+        # a custom optimizer's class (module.Class), beside the name its runs carry
+        **({"optim_target": cfg.optim.target} if cfg.optim.get("target") else {}),
     }
 
 
@@ -226,7 +228,9 @@ def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
 def config_hash(cfg: DictConfig) -> str:
     """What makes two jobs the same point: the resolved config, less where results go and `force`."""
     point = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("outputs_dir", "tracking", "force", "launcher", "log_level"):
+    # custom_optim: what it selects is in `optim` (name and target) at the points of optim=custom, and at the
+    # other points it selects nothing
+    for key in ("outputs_dir", "tracking", "force", "launcher", "log_level", "custom_optim"):
         point.pop(key, None)
     point["optim"].pop("lr_tuned", None)  # where the reference rate came from, not a setting
     # keys added later count only when set, so points recorded before them are still recognised

@@ -7,7 +7,9 @@ import re
 import pandas as pd
 import pytest
 
-from tests.conftest import run_cli, sweep_runs
+from pipeline import MB
+from pipeline.runner import config_hash
+from tests.conftest import compose_cfg, run_cli, sweep_runs
 
 QUICK = ["model=tiny", "train.max_steps=2", "data.max_train_samples=64", "data.max_eval_samples=16"]
 QUICK += ["data.max_val_samples=16", "backend=accelerator"]
@@ -15,20 +17,35 @@ QUICK += ["data.max_val_samples=16", "backend=accelerator"]
 
 @pytest.fixture(scope="module")
 def adamw_and_custom(tmp_path_factory):
-    """AdamW at its tuned reference rate beside optim=custom (torch.optim.AdamW at its untuned 5e-5)."""
+    """AdamW at its tuned reference rate beside a torch optimizer of the user's choice, named on the command
+    line (optim=custom custom_optim=torch.optim.NAdam: a custom optimizer at its untuned 5e-5)."""
     tmp = tmp_path_factory.mktemp("fair")
-    proc = run_cli(tmp, "-m", "optim=adamw,custom", *QUICK)
+    proc = run_cli(tmp, "-m", "optim=adamw,custom", "custom_optim=torch.optim.NAdam", *QUICK)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return tmp, proc
+
+
+def test_a_class_named_on_the_command_line_runs_under_its_own_name(adamw_and_custom):
+    tmp, proc = adamw_and_custom
+    runs = {r.data.params["optim"]: r for r in sweep_runs(tmp)[1]}
+    assert set(runs) == {"adamw", "NAdam"}
+    nadam = runs["NAdam"]
+    assert nadam.info.run_name.startswith("NAdam-tiny-") and "[job] NAdam-tiny-" in proc.stdout
+    assert nadam.data.params["optim_target"] == "torch.optim.NAdam"
+    # measured as any other; estimated by the meta-device step, to the byte (two moments and a step each)
+    metrics = nadam.data.metrics
+    assert metrics["optimizer_state_bytes"] == pytest.approx(metrics["estimated_optimizer_state_mb"] * MB)
+    # AdamW's point is the one an AdamW-only sweep records: custom_optim selects nothing there
+    assert runs["adamw"].data.tags["config_hash"] == config_hash(compose_cfg(*QUICK))
 
 
 def test_the_rate_is_a_column_where_rows_differ_and_one_line_names_the_untuned(adamw_and_custom):
     tmp, proc = adamw_and_custom
     runs = {r.data.params["optim"]: r for r in sweep_runs(tmp)[1]}
     rates = {optim: float(r.data.params["lr"]) for optim, r in runs.items()}
-    assert rates == {"adamw": 1.58e-4, "custom": 5e-5}  # conf/optim/{adamw,custom}.yaml
+    assert rates == {"adamw": 1.58e-4, "NAdam": 5e-5}  # conf/optim/{adamw,custom}.yaml
     assert (
-        runs["adamw"].data.params["lr_tuned"] == "True" and runs["custom"].data.params["lr_tuned"] == "False"
+        runs["adamw"].data.params["lr_tuned"] == "True" and runs["NAdam"].data.params["lr_tuned"] == "False"
     )
     out = proc.stdout
     header = next(line for line in out.splitlines() if "optimizer" in line and "state [MB]" in line)
@@ -39,7 +56,7 @@ def test_the_rate_is_a_column_where_rows_differ_and_one_line_names_the_untuned(a
     ) in rates.items():  # the rate just after the optimizer (and its mark), as the console prints it
         shown = re.search(rf"\b{optim}(?: \([^)]*\))?\s+([\d.e-]+)\s", out)
         assert shown and float(shown[1]) == lr, (optim, out[-3000:])
-    line = "off a tuned learning rate: custom at 5e-05 (its reference, untuned)"
+    line = "off a tuned learning rate: NAdam at 5e-05 (its reference, untuned)"
     assert out.count(line) == 1, out[-3000:]
     report = next(tmp.glob("report/*/comparison.csv"))
     assert dict(zip(*pd.read_csv(report)[["optim", "lr"]].T.to_numpy(), strict=True)) == rates
