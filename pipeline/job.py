@@ -120,8 +120,9 @@ def run_description(metrics: dict) -> str:
 
 
 def main(job_dir: Path) -> int:
-    from pipeline import quiet
+    from pipeline import quiet, starter
 
+    starter.die_with_parent()
     quiet.install()  # before torch, transformers and torchao log anything
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     rank = int(os.environ.get("RANK", "0"))  # a job of several processes: only rank 0 reports

@@ -5,8 +5,9 @@ modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is l
 
 import gc
 
-from pipeline import quiet
+from pipeline import quiet, starter
 
+starter.die_with_parent()  # the starter ends with the process it serves (its jobs then end with it)
 quiet.install()
 
 import accelerate  # noqa: E402, F401

@@ -86,6 +86,21 @@ def prestart(env: dict) -> bool:
     return _shared(env) == _started_with
 
 
+def die_with_parent() -> None:
+    """This job process ends (SIGKILL) when the process that started it does (Linux's PR_SET_PDEATHSIG): the
+    runner, torchrun or the job starter killed outright (SIGKILL, the out-of-memory killer, a scheduler's
+    cancel) leaves no job training on that nobody will record. A parent gone already: this one ends now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # re-parented to init before the call took effect
+        os._exit(1)
+
+
 def _child(job_dir: str, env: dict, module: str) -> None:
     """A warm job process: its own session (a kill of its group reaches whatever it starts), its own
     environment and threads, then the job."""

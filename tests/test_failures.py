@@ -1,6 +1,7 @@
 """Sweeps that survive: bad input fails fast with one line; failures, kills and interrupts are recorded
 results; reruns resume; the same seed gives the same numbers. All through the real CLI."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -213,6 +214,24 @@ def test_interrupt_marks_runs_killed_and_the_store_stays_usable(tmp_path):
     # a new sweep in the same store runs fine
     again = run_cli(tmp_path / "again", "-m", "seed=0", *TINY)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_a_job_ends_with_the_process_that_started_it(tmp_path, start):
+    """The sweep's process killed outright (SIGKILL: no handler runs; the out-of-memory killer, a scheduler's
+    cancel): its job process does not train on, whether forked from the starter or a new interpreter."""
+    sweep = start_sweep(tmp_path, "seed=0", *TINY, "train.max_steps=100000", f"launcher.start_jobs={start}")
+    job = job_process(sweep)
+    sweep.kill()
+    sweep.wait(timeout=60)  # (its pipes stay open while anything it started holds them)
+    deadline = time.time() + 60
+    try:
+        while running(job) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not running(job)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job, signal.SIGKILL)
 
 
 def test_terminate_is_an_interrupt_too(tmp_path):
