@@ -41,8 +41,10 @@ _started_with: dict | None = None  # the environment this process's starter runs
 
 def _shared(env: dict) -> dict:
     """What a job's environment must share with the starter's to start warm: all of it, less PER_JOB and the
-    variables the launching process's MLflow client sets on itself as it opens the store (no job reads them)."""
-    return {k: v for k, v in env.items() if k not in PER_JOB and not k.startswith("MLFLOW_")}
+    variables the launching process's MLflow client sets on itself as it opens the store (no job reads them:
+    the tracking settings, and the telemetry session id `_MLFLOW_TELEMETRY_SESSION_ID` where MLflow's
+    telemetry is on)."""
+    return {k: v for k, v in env.items() if k not in PER_JOB and not k.startswith(("MLFLOW_", "_MLFLOW_"))}
 
 
 @contextlib.contextmanager
