@@ -54,10 +54,15 @@ def label_kwargs(num_labels: int, label_names: list[str] | None) -> dict:
     }
 
 
+# a training step reads no KV cache: without this, a decoder's forward fills one layer by layer (Mistral's
+# sliding-window cache allocates per layer), which costs time and makes its plan's shallow pair differ
+TRAINING = {"use_cache": False}
+
+
 def load_model(model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None):
     from transformers import AutoModelForSequenceClassification
 
-    labels = label_kwargs(num_labels, label_names)
+    labels = {**label_kwargs(num_labels, label_names), **TRAINING}
     if model_cfg.pretrained:
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         try:
@@ -78,7 +83,7 @@ def model_config(model_cfg: DictConfig, num_labels: int, label_names: list[str] 
     """The transformers config a job's model is built from, read without any weights (plan mode)."""
     from transformers import AutoConfig
 
-    labels = label_kwargs(num_labels, label_names)
+    labels = {**label_kwargs(num_labels, label_names), **TRAINING}
     if model_cfg.architecture is None:  # a packaged or hub model: its own config file
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         return AutoConfig.from_pretrained(source, **labels)

@@ -201,7 +201,7 @@ def test_prediction_is_within_5_percent(profiled_jobs):
     assert all(abs(e) <= 5 for e in errors.values()), errors
 
 
-def saved_for_backward(model, ids) -> int:
+def saved_for_backward(model, ids, mask) -> int:
     """Bytes of every storage autograd saves in one forward pass, the weights left out."""
     weights = {id(p.untyped_storage()) for p in model.parameters()}
     saved = {}
@@ -213,24 +213,29 @@ def saved_for_backward(model, ids) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=torch.zeros(ids.shape[0], dtype=torch.long))
+        model(input_ids=ids, attention_mask=mask, labels=torch.zeros(ids.shape[0], dtype=torch.long))
     return sum(n for _, n in saved.values())
 
 
 def test_the_simulated_forward_saves_what_the_real_one_saves():
     """The plan runs the model's own forward on fake tensors: autograd keeps the same bytes for backward
-    (an independent count, by torch.autograd.graph.saved_tensors_hooks, on the real and the fake model)."""
+    (an independent count, by torch.autograd.graph.saved_tensors_hooks, on the real and the fake model).
+    The real batch is padded, as the collator's batches are: transformers skips a decoder's causal mask for a
+    batch without any padding (SDPA's is_causal, grouped key/value heads not repeated), which it cannot tell
+    on fake tensors, so the plan counts the masked path (an upper bound for a batch without padding)."""
     from pipeline import plan
 
     for name, batch, seq in [("tiny", 16, 64), ("distilbert-base-cased", 4, 32), ("llama-tiny", 4, 32)]:
         cfg = compose_cfg(f"model={name}", "model.pretrained=false")
         model = models.load_model(cfg.model, num_labels=2).train()
         model.config.pad_token_id = 0
-        real = saved_for_backward(model, torch.randint(1, 1000, (batch, seq)))
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[1:, seq // 2 :] = 0  # every sample but the first padded
+        real = saved_for_backward(model, torch.randint(1, 1000, (batch, seq)), mask)
         mode, fake = plan.fake_model(model.config, "fp32", False)
         with mode:
-            ids = torch.ones(batch, seq, dtype=torch.long)
-            simulated = saved_for_backward(fake, ids)
+            ones = torch.ones(batch, seq, dtype=torch.long)
+            simulated = saved_for_backward(fake, ones, ones)
         assert simulated == real > 0, name
 
 
