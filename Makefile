@@ -66,7 +66,8 @@ test-slow: install
 test-ci: install
 	$(BIN)/python -m pytest -m "not gpu and not matrix and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
-# the real SLURM cluster's and PostgreSQL server's long tests (tests/test_slurm.py, tests/test_postgres.py): minutes each
+# the real SLURM cluster's and PostgreSQL server's longest tests (a requeue, a 2-rank job, 8 clients at once): minutes
+# each, left out of test-ci; their other tests (4 points, SIGTERM, scancel, time limit, a server restart) run there
 test-cluster: install
 	$(BIN)/python -m pytest -m cluster -n $(TEST_WORKERS) --dist loadfile
 

@@ -18,8 +18,7 @@ from tests.test_store import SHORT_RETRIES
 ADMIN = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": services.ADMIN_PASSWORD}
 
 
-@pytest.mark.slow
-@pytest.mark.cluster  # two tiny jobs and two server starts (~2 min on 2 cores)
+@pytest.mark.slow  # two tiny jobs and two server starts (131 s on 2 cores)
 def test_a_sweep_into_postgres_loses_nothing_when_the_server_restarts_mid_sweep(postgres, tmp_path):
     import subprocess
 

@@ -57,8 +57,7 @@ def test_a_request_sbatch_refuses_is_one_line_and_opens_nothing(slurm_cluster, t
     assert slurm_cluster.queue() == []
 
 
-@pytest.mark.slow
-@pytest.mark.cluster  # 4 tiny jobs, 2 at a time, each a cold start (~2 min on 2 cores)
+@pytest.mark.slow  # 4 tiny jobs, 2 at a time, each a cold start (56 s on 2 cores)
 def test_four_points_through_slurm_finish_under_one_parent_tagged_with_their_jobs(slurm_cluster, tmp_path):
     # the shipped preset as it is (no GPUs asked on this partition), but for the cores per task
     points = ["optim=adamw,adafactor", "backend=trainer,accelerator"]
@@ -79,8 +78,7 @@ def test_four_points_through_slurm_finish_under_one_parent_tagged_with_their_job
     assert slurm_cluster.queue() == []
 
 
-@pytest.mark.slow
-@pytest.mark.cluster  # two jobs started and stopped (~1 min)
+@pytest.mark.slow  # two jobs started and stopped (21 s)
 def test_sigterm_to_the_sweep_cancels_its_jobs_and_marks_every_run_killed(slurm_cluster, tmp_path):
     sweep = start_sweep(tmp_path, "seed=0,1", *LONG, *ONE_CORE)
     wait_for(training(tmp_path, 2), "two job processes", sweep=sweep)
@@ -95,8 +93,7 @@ def test_sigterm_to_the_sweep_cancels_its_jobs_and_marks_every_run_killed(slurm_
     assert len(children) == 2 and {r.info.status for r in children} == {"KILLED"}
 
 
-@pytest.mark.slow
-@pytest.mark.cluster  # one job cancelled, one trained (~1.5 min)
+@pytest.mark.slow  # one job cancelled, one trained (37 s)
 def test_a_job_cancelled_from_outside_ends_killed_with_that_reason_and_the_sweep_goes_on(
     slurm_cluster, tmp_path
 ):
@@ -125,8 +122,7 @@ def _job_of(tmp_path, max_steps: str) -> str | None:
     return runs[0].data.tags.get("slurm_job_id") if runs else None
 
 
-@pytest.mark.slow
-@pytest.mark.cluster  # SLURM's shortest time limit is a minute (~1.5 min)
+@pytest.mark.slow  # SLURM's shortest time limit is a minute (56 s)
 def test_jobs_at_their_time_limit_are_failed_with_that_reason_and_the_sweep_ends(slurm_cluster, tmp_path):
     # submitit warns a job signal_delay_s before its limit; both points train past it
     limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=15"]
