@@ -185,9 +185,7 @@ def unusable_value_error(config: DictConfig, sweep: Sweep) -> ConfigError | None
             point = copy.deepcopy(config)
             try:
                 OmegaConf.update(point, name, value, merge=False)
-            except (
-                Exception
-            ):  # a key the config lacks (`+key=...`) or a value of another type: the point says
+            except Exception:  # a key the config lacks (`+key=`), a value of another type: its points say
                 continue
             for err in problems(point):
                 if err.keys and not any(others.varies(key) for key in err.keys):
