@@ -8,6 +8,7 @@ does not answer as the job ends, waits in the job folder's journal entry to be r
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -319,6 +320,13 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
     return Outcome(name, "FINISHED")
 
 
+@functools.cache
+def earlier_sweep_dirs(tracker, experiment_id: str) -> list[str]:
+    """The folders the experiment's sweeps ran in, asked once per process (a sweep's own is its Hydra
+    sweep.dir; earlier ones do not move)."""
+    return tracker.sweep_dirs(experiment_id)
+
+
 def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
     """(the point's latest FINISHED run or None, the job folder of its FINISHED result still waiting to be
     recorded or None). A waiting result is recorded now when the store takes it: a resumed sweep records a
@@ -335,7 +343,7 @@ def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     folders = [hydra_cfg.sweep.dir] if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN else []
     try:  # the folders of the experiment's earlier sweeps, wherever hydra.sweep.dir put them
-        folders += tracker.sweep_dirs(experiment_id)
+        folders += earlier_sweep_dirs(tracker, experiment_id)
     except Exception:  # the store is away: this sweep's own folder and outputs_dir's are looked in
         pass
     folder = journal.finished_waiting(Path(cfg.outputs_dir), tracker.uri, point, folders)
