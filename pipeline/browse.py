@@ -3,9 +3,10 @@
 MLflow 3's UI opens an experiment in its GenAI mode (traces, an overview of "0 traces") unless the URL asks
 for the model-training one (`workflowType=machine_learning`), and its runs table starts with Dataset, Source
 and Models. This prints the address of the experiment's runs table in the model-training mode with a saved
-view ("Optimizer figures": the description, state, peak, F1 and throughput first), then serves a local store
-with `mlflow ui` (a server serves its own UI: the address is printed only). The sweep's end prints its parent
-run's address the same way (sweep_line). See docs/mlflow.md.
+view ("Optimizer figures": the description, state, peak, F1 and throughput first) and the address of the
+latest sweep's jobs, best first (a saved view per sweep, `sweep-<parent run id>`: the page that opens), then
+serves a local store with `mlflow ui` (a server serves its own UI: the addresses are printed only). The
+sweep's end prints its own view's address the same way (sweep_url, sweep_line). See docs/mlflow.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ import time
 import urllib.error
 import urllib.request
 
-from pipeline.tracking import LOCAL_UI, StoreError, Tracker, auth_error, is_server, refused, store_uri, ui_url
+from pipeline.tracking import (
+    LOCAL_UI,
+    SKIPPED_RUN,
+    StoreError,
+    Tracker,
+    auth_error,
+    is_server,
+    refused,
+    store_uri,
+    ui_url,
+)
 
 EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 HOST, PORT = "127.0.0.1", 5000  # LOCAL_UI: the address the sweep's links point to
@@ -28,6 +39,11 @@ VIEW_KEY, VIEW_NAME = "optimizer-figures", "Optimizer figures"
 # view's column order within it
 METRICS = ["eval_f1", "eval_macro_f1", "optimizer_state_mb", "peak_memory_mb", "train_samples_per_second"]
 PARAMS = ["batch_size", "lr", "model", "optim"]
+SWEEP_VIEW = "sweep-"  # + parent run id: the saved view of one sweep's jobs
+METRIC_TAG, METRIC = "eval_metric", "macro_f1"  # the parent run's tag: the metric its jobs are ranked by
+# the most runs a sweep's view lists by id (a sweep with points FINISHED before; more: only the jobs it ran),
+# within the 20,000 characters MLflow keeps of an experiment tag
+LISTED_RUNS = 300
 
 
 def _column(kind: str, key: str) -> str:
@@ -35,23 +51,30 @@ def _column(kind: str, key: str) -> str:
     return f"{kind}.`{key}`"
 
 
-def view_state() -> dict:
-    """The saved view: the run's description (state, peak and F1, with units), the key metrics and params,
-    then Dataset and Duration; Source and Models (empty for these runs) left out; sorted by start time, so a
-    sweep's parent run keeps its jobs under it."""
+def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
+    """A saved view: the run's description (state, peak and F1, with units), the key metrics and params,
+    then Dataset and Duration; Source and Models (empty for these runs) left out. Every run, sorted by start
+    time, so a sweep's parent run keeps its jobs under it; or the runs `search_filter` finds (one sweep's
+    jobs), best `eval_<metric>` first: the UI nests runs only when they are sorted by time, so these come as
+    a flat list (sorted by time, a filter on the parent would show the parent's row with its jobs folded)."""
     description, dataset = _column("attributes", "Description"), _column("attributes", "Dataset")
     metrics = [_column("metrics", key) for key in METRICS]
     params = [_column("params", key) for key in PARAMS]
     order = [_column("attributes", "Run Name"), description, *metrics, *params, dataset]
-    widths = {_column("attributes", "Run Name"): 320, description: 340, dataset: 260}
-    widths |= {column: 150 for column in metrics} | {column: 110 for column in params}
-    return {
+    # within the 940 px the table gets at 1600 px beside the sidebar and MLflow's Assistant panel (a fresh
+    # browser opens both): a job's name, its start and the 50 characters of a description the table shows
+    widths = {_column("attributes", "Run Name"): 300, description: 330, dataset: 260}
+    widths |= {column: 130 for column in metrics} | {column: 110 for column in params}
+    state = {
         "selectedColumns": [description, *metrics, *params, dataset],
         "columnOrder": [*order, _column("attributes", "Duration")],
         "columnWidths": widths,
         "orderByKey": "attributes.start_time",
         "orderByAsc": False,
     }
+    if search_filter:
+        state |= {"searchFilter": search_filter, "orderByKey": _column("metrics", f"eval_{metric}")}
+    return state
 
 
 def runs_url(tracker: Tracker, experiment: str = EXPERIMENT, local_ui: str = LOCAL_UI) -> str | None:
@@ -69,11 +92,40 @@ def runs_url(tracker: Tracker, experiment: str = EXPERIMENT, local_ui: str = LOC
     return ui_url(tracker.uri, found.experiment_id, view=VIEW_KEY, local_ui=local_ui)
 
 
-def sweep_line(uri: str, ids: dict, local_ui: str = LOCAL_UI) -> str:
-    """The line a sweep's end prints: its parent run (description, child runs, the report under Artifacts)
-    in the model-training mode, where `make ui` serves a local store or at the server's address."""
-    url = ui_url(uri, ids["experiment_id"], ids["parent_run_id"], local_ui=local_ui)
-    return f"[sweep] parent run in the MLflow UI: {url}" + ("" if is_server(uri) else " (make ui serves it)")
+def sweep_url(tracker: Tracker, parent, local_ui: str = LOCAL_UI) -> str:
+    """The address of one sweep's jobs (parent: its parent run), best first, after (re)writing its saved view
+    `sweep-<parent run id>` (named by the sweep and its start); the parent run's page where the view cannot
+    be written (a store this user may only read)."""
+    experiment_id, run_id = parent.info.experiment_id, parent.info.run_id
+    key, metric = f"{SWEEP_VIEW}{run_id}", parent.data.tags.get(METRIC_TAG, METRIC)
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(parent.info.start_time / 1000))
+    # its jobs; with the runs its skipped points had FINISHED as before (tags skipped_run.<job>), by id
+    found = [value for tag, value in parent.data.tags.items() if tag.startswith(SKIPPED_RUN)]
+    where = f"tags.mlflow.parentRunId = '{run_id}'"
+    jobs = [r.info.run_id for r in tracker.child_runs(experiment_id, run_id)] + found if found else []
+    if 0 < len(jobs) <= LISTED_RUNS:
+        where = "attributes.run_id IN ({})".format(", ".join(f"'{job}'" for job in dict.fromkeys(jobs)))
+    try:
+        tracker.save_view(
+            experiment_id, key, f"{parent.info.run_name} ({started})", view_state(where, metric)
+        )
+    except Exception:
+        return ui_url(tracker.uri, experiment_id, run_id, local_ui=local_ui)
+    return ui_url(tracker.uri, experiment_id, view=key, local_ui=local_ui)
+
+
+def sweep_line(uri: str, url: str) -> str:
+    """The line a sweep's end prints: its jobs in the model-training mode, best first, where `make ui` serves a
+    local store or at the server's address."""
+    return f"[sweep] its runs in the MLflow UI: {url}" + ("" if is_server(uri) else " (make ui serves it)")
+
+
+def latest_sweep(tracker: Tracker, experiment_id: str):
+    """The experiment's latest sweep's parent run, None if it has none."""
+    found = tracker.client.search_runs(
+        [experiment_id], "tags.kind = 'sweep'", order_by=["attributes.start_time DESC"], max_results=1
+    )
+    return found[0] if found else None
 
 
 def server_answers(url: str, timeout: float = 3) -> bool:
@@ -166,7 +218,11 @@ def main(argv=None) -> int:
         return 2
     local_ui = f"http://{args.host}:{args.port}"
     try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
-        url = runs_url(Tracker(uri), args.experiment, local_ui)
+        tracker = Tracker(uri)
+        url = runs_url(tracker, args.experiment, local_ui)
+        experiment = tracker.client.get_experiment_by_name(args.experiment)
+        latest = experiment and latest_sweep(tracker, experiment.experiment_id)
+        latest_url = latest and sweep_url(tracker, latest, local_ui)
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -180,6 +236,13 @@ def main(argv=None) -> int:
         print(f"no experiment {args.experiment!r} in {uri} yet (make run creates it); experiments: {url}")
     else:
         print(f"runs of {args.experiment!r} (model-training view, figures first): {url}", flush=True)
+    if latest_url:  # what a browser opens: the latest sweep's jobs and their figures, on the first screen
+        metric = latest.data.tags.get(METRIC_TAG, METRIC)
+        print(
+            f"latest sweep, {latest.info.run_name} (its runs, best eval_{metric} first): {latest_url}",
+            flush=True,
+        )
+        url = latest_url
     if is_server(uri):
         print("(the server serves this UI itself)")
         return 0

@@ -104,18 +104,23 @@ def result_line(metrics: dict) -> str:
     )
 
 
-def _mb(value: float) -> str:
+def short_mb(value: float) -> str:
+    """MB as the runs table reads them: 3 significant digits, whole MB from 1000 on (`7.72`, `22.9`, `1,234`)."""
     return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
 
 
-def run_description(metrics: dict) -> str:
+def run_description(metrics: dict, tags: dict | None = None) -> str:
     """The run's description in MLflow: the figures that decide, within the 50 characters the runs table
-    shows (its tooltip and the run page show all of it): `state 7.72 MB, peak 22.9 MB, F1 0.727`."""
+    shows (its tooltip and the run page show all of it): `state 7.72 MB, peak 22.9 MB, F1 0.727`, and
+    ` (collapsed)` where (nearly) every prediction fell in one class (tag collapsed: its F1 measures the
+    class balance, not a trained model)."""
     m = metrics
     if "optimizer_state_mb" not in m or "eval_f1" not in m:
         return result_line(m)
+    collapsed = " (collapsed)" if (tags or {}).get("collapsed") == "true" else ""
     return (
-        f"state {_mb(m['optimizer_state_mb'])} MB, peak {_mb(m['peak_memory_mb'])} MB, F1 {m['eval_f1']:.3f}"
+        f"state {short_mb(m['optimizer_state_mb'])} MB, peak {short_mb(m['peak_memory_mb'])} MB, "
+        f"F1 {m['eval_f1']:.3f}{collapsed}"
     )
 
 

@@ -138,7 +138,7 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         if failure is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
-            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"])}
+            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"], result["tags"])}
             tracker.log(run_id, result["metrics"], result["series"], result["params"], tags, timestamp=stamp)
             if result.get("datasets"):
                 tracker.log_datasets(run_id, result["datasets"])

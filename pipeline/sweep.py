@@ -20,13 +20,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import browse, journal, runner
+from pipeline.job import short_mb
 from pipeline.runner import SKIPPED_FILE, Outcome
-from pipeline.tracking import StoreError, Tracker
+from pipeline.tracking import SKIPPED_RUN, StoreError, Tracker
 
 SWEEP_FILE = "mlflow_sweep.json"
-# parent-run tag prefix: skipped_run.<job number> = the run that skipped point FINISHED as before
-SKIPPED_RUN = "skipped_run."
 SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1", "train_samples_per_second")
+# overrides that say where a sweep's results go, not what it sweeps: left out of its name
+PLACE_KEYS = ("outputs_dir", "tracking.uri", "tracking.experiment", "log_level")
+NAME_CHARS = 200  # a run name's length the UI still shows whole in its tooltip (MLflow stores 250)
+# of the runs table's key metrics (browse.METRICS, the parent run's own figures), those best when smallest
+SMALLER_IS_BETTER = ("optimizer_state_mb", "peak_memory_mb")
 
 
 @dataclass
@@ -86,6 +90,15 @@ def current_ids() -> dict | None:
     """The MLflow ids of the sweep the running Hydra job belongs to (None for a single run)."""
     hydra_cfg = HydraConfig.get()
     return sweep_ids(Path(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def sweep_name(task_overrides) -> str:
+    """The parent run's name: what the sweep sweeps, its command line's overrides (`optim=adamw,adafactor
+    model=tiny`) without those naming where results go (outputs_dir, tracking.*, log_level);
+    `(config defaults)` for none."""
+    kept = [str(o) for o in task_overrides if str(o).split("=", 1)[0].lstrip("+~") not in PLACE_KEYS]
+    name = " ".join(kept) or "(config defaults)"
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 1] + "…"
 
 
 def claim_sweep_dir(config: DictConfig) -> None:
@@ -190,6 +203,29 @@ def count_line(runs) -> str:
     return f"{len(runs)} jobs: {len(finished)} finished{detail}, {len(runs) - len(finished)} failed"
 
 
+def best_figures(runs) -> tuple[dict, str]:
+    """The parent run's own figures, so that its row in the runs table reads them: for each key metric
+    (browse.METRICS) the best value among its FINISHED training jobs, F1s only from jobs whose model did not
+    collapse (tag collapsed); and the line that names them with their optimizers, `lowest peak 312 MB
+    adafactor · best F1 0.853 adamw` (empty without such jobs)."""
+    done = [r for r in runs if r.info.status == "FINISHED" and job_kind(r) == "training"]
+    learned = [r for r in done if r.data.tags.get("collapsed") != "true"]
+    figures, by = {}, {}
+    for key in browse.METRICS:
+        have = [r for r in (learned if key.startswith("eval_") else done) if key in r.data.metrics]
+        if have:
+            best = (min if key in SMALLER_IS_BETTER else max)(have, key=lambda r: r.data.metrics[key])
+            figures[key], by[key] = best.data.metrics[key], best.data.params.get("optim", best.info.run_name)
+    parts = []
+    if "peak_memory_mb" in figures:
+        parts.append(f"lowest peak {short_mb(figures['peak_memory_mb'])} MB {by['peak_memory_mb']}")
+    if "eval_f1" in figures:
+        parts.append(f"best F1 {figures['eval_f1']:.3f} {by['eval_f1']}")
+    elif any("eval_f1" in r.data.metrics for r in done):
+        parts.append("no model learned (all collapsed)")
+    return figures, " · ".join(parts)
+
+
 def failed_job_lines(runs) -> list[str]:
     """`name (reason: error)` of every job run that did not finish, as the sweep's summary prints them."""
     return [
@@ -247,12 +283,14 @@ class SweepCallback(Callback):
         overrides = " ".join(config.hydra.overrides.task)
         parent = tracker.start_run(
             experiment_id,
-            name=f"sweep-{sweep_dir.name}",
+            name=sweep_name(config.hydra.overrides.task),
             tags={
                 "sweep_dir": str(sweep_dir.resolve()),
                 "outputs_dir": str(Path(config.outputs_dir).resolve()),  # where its report goes
                 "overrides": overrides,
                 "kind": "sweep",
+                # what its saved view ranks its jobs by (browse.sweep_url)
+                browse.METRIC_TAG: OmegaConf.select(config, "eval.metric", default=browse.METRIC),
             },
         )
         ids = {
@@ -317,15 +355,18 @@ def close(tracker: Tracker, ids: dict, sweep_dir: Path, outputs_dir: Path, metri
     # the parent refers to the runs its skipped points FINISHED as before (`skipped_run.<job>`): its
     # report covers every point, and a rerun whose points were all done is a reference, not an empty run
     found = {f"{SKIPPED_RUN}{path.parent.name}": path.read_text().strip() for path in skipped}
-    metrics = {"jobs": len(runs), "jobs_failed": len(failed), "jobs_skipped": len(found)}
+    # the parent's row in the runs table reads the sweep's best, of the runs it ran or found FINISHED before
+    figures, best = best_figures([*runs, *tracker.runs(ids["experiment_id"], list(found.values()))])
+    metrics = {"jobs": len(runs), "jobs_failed": len(failed), "jobs_skipped": len(found), **figures}
     tracker.log(ids["parent_run_id"], metrics=metrics, tags=found)
     line = count_line(runs) + (f", {len(found)} skipped (FINISHED before)" if found else "")
     print(f"\n[sweep] {line}; parent run {ids['parent_run_id']}")
-    tracker.describe(ids["parent_run_id"], line)
+    tracker.describe(ids["parent_run_id"], " · ".join(filter(None, (best, line))))
     status = "FAILED" if failed else "FINISHED"
     if runs or found:
         report_sweep(tracker, ids["parent_run_id"], runs, outputs_dir, metric, status)
-    print(browse.sweep_line(tracker.uri, ids))
+    parent = tracker.client.get_run(ids["parent_run_id"])
+    print(browse.sweep_line(tracker.uri, browse.sweep_url(tracker, parent)))
     tracker.end(ids["parent_run_id"], status)
     return status
 

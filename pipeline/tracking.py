@@ -27,6 +27,8 @@ _MAX_TAG_CHARS = 8000
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 MODEL_TRAINING = {"workflowType": "machine_learning"}
 DESCRIPTION = "mlflow.note.content"
+# a sweep's parent-run tag prefix: skipped_run.<job number> = the run that skipped point FINISHED as before
+SKIPPED_RUN = "skipped_run."
 VIEW_TAG, VIEW_PARAM = "mlflow.sharedViewState.", "viewStateShareKey"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `make ui` serves a local store
 # `datasets` column types -> MLflow schema types (anything else is described as a string)
@@ -384,6 +386,15 @@ class Tracker:
             [experiment_id], filter_string="tags.kind = 'sweep'", max_results=10000
         )
         return sorted({r.data.tags["sweep_dir"] for r in runs if "sweep_dir" in r.data.tags})
+
+    def runs(self, experiment_id: str, run_ids) -> list:
+        """The experiment's runs of these ids, in one search."""
+        if not run_ids:
+            return []
+        listed = ", ".join(f"'{run_id}'" for run_id in dict.fromkeys(run_ids))
+        return self.client.search_runs(
+            [experiment_id], filter_string=f"attributes.run_id IN ({listed})", max_results=10000
+        )
 
     def child_runs(self, experiment_id: str, parent_run_id: str, status: str | None = None):
         """The runs under a parent run (a sweep's jobs), those of one status when given."""

@@ -153,6 +153,11 @@ def sweep_runs(tmp_path: Path):
     return parent, children
 
 
+def report_folder(parent) -> str:
+    """A sweep's report folder name, `sweep-<its folder's name>`, from its parent run (tag sweep_dir)."""
+    return f"sweep-{Path(parent.data.tags['sweep_dir']).name}"
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request, monkeypatch):
     """A test not marked gpu, run beside gpu tests (`-m "gpu or ..."`), still starts its jobs without GPUs."""

@@ -92,7 +92,10 @@ def test_runs_describe_their_result_and_the_experiment_is_model_training(sweep):
     for run in children:  # the figures that decide, within the 50 characters the runs table shows
         description, m = run.data.tags["mlflow.note.content"], run.data.metrics
         peak, f1 = m["peak_memory_mb"], m["eval_f1"]
-        assert description == f"state {m['optimizer_state_mb']:.3g} MB, peak {peak:.3g} MB, F1 {f1:.3f}"
+        collapsed = " (collapsed)" if run.data.tags["collapsed"] == "true" else ""
+        assert description == (
+            f"state {m['optimizer_state_mb']:.3g} MB, peak {peak:.3g} MB, F1 {f1:.3f}{collapsed}"
+        )
         assert len(description) <= 50
 
 
@@ -119,14 +122,13 @@ def test_the_links_open_the_model_training_view():
     assert ui_url("http://mlflow.internal:5000/", "3", "abc", view="v") == (
         "http://mlflow.internal:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
-    line = browse.sweep_line("sqlite:///x.db", {"experiment_id": "3", "parent_run_id": "abc"})
-    run = f"{LOCAL_UI}/#/experiments/3/runs/abc?workflowType=machine_learning"
-    assert line == f"[sweep] parent run in the MLflow UI: {run} (make ui serves it)"
-    assert browse.sweep_line(
-        "http://mlflow.internal:5000", {"experiment_id": "3", "parent_run_id": "abc"}
-    ) == (
-        "[sweep] parent run in the MLflow UI: "
-        "http://mlflow.internal:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    view = f"{LOCAL_UI}/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=sweep-abc"
+    line = browse.sweep_line("sqlite:///x.db", view)
+    assert line == f"[sweep] its runs in the MLflow UI: {view} (make ui serves it)"
+    served = "http://mlflow.internal:5000/#/experiments/3/runs?viewStateShareKey=sweep-abc"
+    assert (
+        browse.sweep_line("http://mlflow.internal:5000", served)
+        == f"[sweep] its runs in the MLflow UI: {served}"
     )
 
 
@@ -153,7 +155,8 @@ def test_browse_says_in_one_line_what_it_cannot_open(sweep):
 
 @pytest.fixture(scope="module")
 def ui(sweep):
-    """`make ui` on the sweep's store: (the URL it printed, its process); the whole process group is stopped
+    """`make ui` on the sweep's store: (the two addresses it printed: every run, the latest sweep's runs; its two
+    lines; its process); the whole process group is stopped
     at the end (`mlflow ui` and its server)."""
     tmp = sweep[0]
     port = free_port()
@@ -167,8 +170,8 @@ def ui(sweep):
         start_new_session=True,
     )
     try:
-        first = proc.stdout.readline()
-        url = first.split(": ", 1)[1].strip()
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        urls = [line.rsplit(": ", 1)[1].strip() for line in (first, second)]
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -179,7 +182,7 @@ def ui(sweep):
                     f"mlflow ui did not start: {first}"
                 )
                 time.sleep(1)
-        yield url, proc
+        yield urls, (first, second), proc
     finally:
         stop_group(proc)
 
@@ -199,52 +202,78 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
 
 
+HEADER = "[...document.querySelectorAll('.ag-header-cell[col-id]')].map(c => c.getAttribute('col-id'))"
+ROWS = "[...document.querySelectorAll('.ag-row')].map(r => r.innerText).join('\\n')"
+
+
+def edges(page, columns: list[str]) -> dict:
+    """Where each of `columns` (header ids) starts and ends across the page, and the runs table's own right
+    edge (`table`), in pixels; None for a column the grid has not drawn."""
+    return page.js(
+        "(() => { const at = e => [Math.round(e.getBoundingClientRect().left),"
+        " Math.round(e.getBoundingClientRect().right)];"
+        " const cells = [...document.querySelectorAll('.ag-header-cell[col-id]')];"
+        f" const found = {json.dumps(columns)}.map(k => [k, cells.find(c => c.getAttribute('col-id') === k)]);"
+        " return Object.fromEntries([['table', at(document.querySelector('.ag-root-wrapper'))[1]],"
+        " ...found.map(([k, c]) => [k, c ? at(c) : null])]); })()"
+    )
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
-def test_make_ui_opens_the_sweeps_runs_with_the_figures_first(sweep, ui, tmp_path):
-    _, _, parent, children = sweep
-    url, _ = ui
-    assert url.endswith("/runs?workflowType=machine_learning&viewStateShareKey=optimizer-figures")
-    with Chromium(tmp_path / "profile", width=1600, height=700) as page:
-        page.open(url)
-        page.wait_for("document.body.innerText.includes('matching runs')")
-        # the runs view of the model-training mode, not the GenAI overview
-        assert "/runs?" in page.js("location.hash") and "workflowType=machine_learning" in page.js(
-            "location.hash"
+def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, tmp_path):
+    _, proc, parent, children = sweep
+    (every_run, latest), lines, _ = ui
+    # the sweep is named by what it swept; make ui prints every run's view, then opens the latest sweep's
+    assert parent.info.run_name == " ".join(SWEEP[1:])
+    assert every_run.endswith("/runs?workflowType=machine_learning&viewStateShareKey=optimizer-figures")
+    assert latest.endswith(
+        f"/runs?workflowType=machine_learning&viewStateShareKey=sweep-{parent.info.run_id}"
+    )
+    assert lines[1].startswith(f"latest sweep, {parent.info.run_name} (its runs, best eval_macro_f1 first): ")
+    assert f"[sweep] its runs in the MLflow UI: {LOCAL_UI}{latest[latest.index('/#/') :]}" in proc.stdout
+    # a fresh browser (new profile: MLflow's Assistant panel opens on the right), 1600 px wide, no scrolling
+    with Chromium(tmp_path / "profile", width=1600, height=900) as page:
+        page.open(latest)
+        names = [run.info.run_name for run in children]
+        rows = page.wait_for(f"(t => {json.dumps(names)}.every(n => t.includes(n)) ? t : null)({ROWS})")
+        for run in children:  # each job's figures, with units, in its description
+            assert run.data.tags["mlflow.note.content"] in rows
+        assert parent.info.run_name not in rows  # the jobs as a flat list, not folded under their sweep
+        assert "workflowType=machine_learning" in page.js("location.hash") and "Traces 0" not in page.js(
+            "document.body.innerText"
         )
-        text = page.js("document.body.innerText")
-        assert "Optimizer figures" in text and "Traces 0" not in text and "No data available" not in text
+        # the name and the description whole, the first metric begun, within the first screen
+        shown, metric = (
+            ["attributes.`Run Name`", "attributes.`Description`"],
+            f"metrics.`{browse.METRICS[0]}`",
+        )
+        where = edges(page, [*shown, metric])
+        assert all(where[k] is not None and where[k][1] <= where["table"] for k in shown), where
+        assert where[metric] is not None and where[metric][0] < where["table"] - 50, where
+        page.screenshot(tmp_path / "sweep.png")
+        # every sweep, a row each: its name, and its best figures in the key columns (not "-")
+        page.open(every_run)
+        # (the grid draws a row in parts: the pinned name and start, then the scrolling cells)
+        row = f"[...document.querySelectorAll(\".ag-row[row-id='{parent.info.run_id}']\")]"
+        text = page.wait_for(
+            f"(t => t.includes('lowest peak') ? t : null)({row}.map(r => r.innerText).join(' '))"
+        )
+        assert parent.info.run_name[:30] in text and parent.data.tags["mlflow.note.content"][:40] in text
+        f1 = page.js(
+            f"{row}.map(r => r.querySelector(\"[col-id='metrics.`eval_f1`']\")).find(c => c).innerText"
+        )
+        learned = [r for r in children if r.data.tags["collapsed"] == "false"]
+        assert (f1 != "-") == bool(learned), f1
         # the key columns, right after the run's name and start: the description, the key metrics, the key
-        # params; no Source, no Models. Once the view is laid out (the runs and their metrics in), the page is
-        # widened to see them all (the table draws only the columns in view)
-        header = (
-            "[...document.querySelectorAll('.ag-header-cell[col-id]')].map(c => c.getAttribute('col-id'))"
-            ".filter(c => c.includes('.`'))"
-        )
-        first = ["attributes.`Run Name`", "attributes.`Description`", f"metrics.`{browse.METRICS[0]}`"]
-        try:
-            page.wait_for(f"(c => {json.dumps(first)}.every((k, i) => c[i] === k) ? c : null)({header})", 60)
-        except TimeoutError:
-            raise AssertionError(f"the view's columns did not come first: {page.js(header)}") from None
+        # params; no Source, no Models (the page widened to draw them all: the table draws only those in view)
         page.js("document.querySelectorAll('button[aria-label=Close]').forEach(b => b.click())")  # assistant
         page.size(3600, 700)
         key = [f"metrics.`{m}`" for m in browse.METRICS] + [f"params.`{p}`" for p in browse.PARAMS]
         expected = ["attributes.`Run Name`", "attributes.`Description`", *key]
-        columns = page.wait_for(f"(c => c.length >= {len(expected)} ? c : null)({header})")
+        columns = page.wait_for(f"(c => c.length >= {len(expected) + 2} ? c : null)({HEADER})")
+        columns = [c for c in columns if ".`" in c]
         assert columns[: len(expected)] == expected, columns
         assert not {"attributes.`Source`", "attributes.`Models`"} & set(columns)
-        page.size(1600, 700)
-        # the parent run, collapsed, expands to its jobs with their result lines
-        row = f".ag-row[row-id='{parent.info.run_id}']"
-        assert parent.info.run_name in page.wait_for(f'document.querySelector("{row}").innerText')
-        page.js(f"document.querySelector(\"{row} [col-id='attributes.`Run Name`'] button\").click()")
-        names = [run.info.run_name for run in children]
-        rows = page.wait_for(
-            "(() => { const t = [...document.querySelectorAll('.ag-row')].map(r => r.innerText).join('\\n');"
-            f" return {json.dumps(names)}.every(n => t.includes(n)) ? t : null; }})()"
-        )
-        for run in children:  # the descriptions, with units
-            assert run.data.tags["mlflow.note.content"] in rows
-        page.screenshot(tmp_path / "runs.png")
-    assert (tmp_path / "runs.png").stat().st_size > 20_000
+    assert (tmp_path / "sweep.png").stat().st_size > 20_000
     if os.environ.get("DOCS_SCREENSHOTS"):
-        DOCS_SHOT.write_bytes((tmp_path / "runs.png").read_bytes())
+        DOCS_SHOT.write_bytes((tmp_path / "sweep.png").read_bytes())

@@ -14,9 +14,12 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import MB, job, models, optimizers
+from pipeline import MB, browse, job, models, optimizers
+from pipeline.job import short_mb
 from pipeline.memory import MemoryBudgetExceeded, optimizer_state_size
-from tests.conftest import CONF, ROOT, TINY, compose_cfg, run_cli, store, sweep_runs
+from pipeline.report import runs as runs_of_store
+from pipeline.tracking import Tracker
+from tests.conftest import CONF, ROOT, TINY, compose_cfg, report_folder, run_cli, store, sweep_runs
 from tests.test_memory import one_step
 from tests.test_optimizers import trainer_optimizer
 
@@ -522,7 +525,33 @@ def test_a_rerun_of_recorded_points_prints_their_table_and_refers_to_their_runs(
     assert rerun.data.metrics["jobs"] == 0 and rerun.data.metrics["jobs_skipped"] == 2
     found = {v for k, v in rerun.data.tags.items() if k.startswith("skipped_run.")}
     assert found == {r.info.run_id for r in runs.values()}
-    assert (reruns["tmp"] / "report" / rerun.info.run_name / "report.html").exists()
+    assert (reruns["tmp"] / "report" / report_folder(rerun) / "report.html").exists()
+    # its row in MLflow reads the figures of the runs it found: the lowest peak, the best F1 of a model that
+    # learned (or says none did)
+    found_runs = list(runs.values())
+    peak = min(found_runs, key=lambda r: r.data.metrics["peak_memory_mb"])
+    assert rerun.data.metrics["peak_memory_mb"] == peak.data.metrics["peak_memory_mb"]
+    description = rerun.data.tags["mlflow.note.content"]
+    assert description.startswith(f"lowest peak {short_mb(peak.data.metrics['peak_memory_mb'])} MB ")
+    learned = [r for r in found_runs if r.data.tags["collapsed"] == "false"]
+    if learned:
+        assert rerun.data.metrics["eval_f1"] == max(r.data.metrics["eval_f1"] for r in learned)
+    else:
+        assert "eval_f1" not in rerun.data.metrics and "no model learned (all collapsed)" in description
+    # its saved view lists the runs it found, by id: the filter finds them in the store
+    experiment_id = rerun.info.experiment_id
+    url = browse.sweep_url(Tracker(f"sqlite:///{reruns['tmp']}/mlflow.db"), rerun)
+    assert url.endswith(f"viewStateShareKey=sweep-{rerun.info.run_id}")
+    view = json.loads(
+        reruns["client"]
+        .get_experiment(experiment_id)
+        .tags[f"mlflow.sharedViewState.sweep-{rerun.info.run_id}"]
+    )
+    state = json.loads(view["state"])
+    assert view["name"].startswith(f"{rerun.info.run_name} (")
+    listed = reruns["client"].search_runs([experiment_id], filter_string=state["searchFilter"])
+    assert {r.info.run_id for r in listed} == found
+    assert state["orderByKey"] == "metrics.`eval_macro_f1`" and state["orderByAsc"] is False
 
 
 def test_a_forced_point_marks_the_run_it_replaces(reruns):
@@ -535,7 +564,7 @@ def test_a_forced_point_marks_the_run_it_replaces(reruns):
 
 def test_a_pooled_report_counts_each_point_once(reruns, tmp_path):
     (first, _), _, (forced, runs) = reruns["sweeps"]
-    names = [first.info.run_name, forced.info.run_name]
+    names = [report_folder(first), forced.info.run_name]  # a sweep by its folder, one by its name
     proc = report_cli(
         f"outputs_dir={reruns['tmp']}", "--sweep", names[0], "--sweep", names[1], "--out", str(tmp_path)
     )
@@ -559,8 +588,8 @@ def test_the_report_follows_the_outputs_dir_a_sweep_used(reruns):
         proc = report_cli(*args)
         assert proc.returncode == 0, proc.stderr[-2000:]
         # the latest sweep with results, and the report under that outputs_dir, not ./outputs
-        assert f"report: {tmp}/report/{forced.info.run_name}/report.html" in proc.stdout
-    assert not (ROOT / "outputs" / "report" / forced.info.run_name).exists()
+        assert f"report: {tmp}/report/{report_folder(forced)}/report.html" in proc.stdout
+    assert not (ROOT / "outputs" / "report" / report_folder(forced)).exists()
 
 
 def test_a_sweep_in_a_folder_of_its_own_reports_where_its_own_report_went(tmp_path):
@@ -595,18 +624,28 @@ def test_list_shows_the_sweeps_of_a_store(reruns):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == f"store: sqlite:///{reruns['tmp']}/mlflow.db"
-    assert (
-        lines[1].split() == "sweep experiment status jobs finished skipped started (UTC) parent run".split()
-    )
+    header = "folder experiment status jobs finished skipped started (UTC) parent run sweep"
+    assert lines[1].split() == header.split()
     rows = [line.split() for line in lines[2:]]
     sweeps = reruns["sweeps"]
-    assert [r[0] for r in rows] == [parent.info.run_name for parent, _ in sweeps]
+    assert [r[0] for r in rows] == [report_folder(parent) for parent, _ in sweeps]
     assert [r[2:6] for r in rows] == [
         ["FINISHED", "2", "2", "0"],
         ["FINISHED", "0", "0", "2"],
         ["FINISHED", "1", "1", "0"],
     ]
-    assert [r[-1] for r in rows] == [parent.info.run_id for parent, _ in sweeps]
+    assert [r[8] for r in rows] == [parent.info.run_id for parent, _ in sweeps]
+    # each named by what it swept, without where its results went (outputs_dir)
+    assert [" ".join(r[9:]) for r in rows] == [parent.info.run_name for parent, _ in sweeps]
+    assert [r[9:11] for r in rows] == [["optim=adamw,adamw_8bit", "data=csv"]] * 2 + [
+        ["optim=adamw", "force=true"]
+    ]
+    assert not any("outputs_dir" in " ".join(r) for r in rows)
+    # a name the same command gave two sweeps selects the later one; a folder, exactly that sweep
+    first, again = sweeps[0][0], sweeps[1][0]
+    uri = f"sqlite:///{reruns['tmp']}/mlflow.db"
+    assert runs_of_store.find_sweeps(uri, [first.info.run_name]).run_id.tolist() == [again.info.run_id]
+    assert runs_of_store.find_sweeps(uri, [report_folder(first)]).run_id.tolist() == [first.info.run_id]
 
 
 # --- 4 and 7. the report says what it shows ----------------------------------------------------------------
@@ -614,7 +653,7 @@ def test_list_shows_the_sweeps_of_a_store(reruns):
 
 def test_the_report_says_which_class_f1_is_for_and_names_the_trainer_variant(reruns):
     (first, _), _, _ = reruns["sweeps"]
-    report = (reruns["tmp"] / "report" / first.info.run_name / "report.md").read_text()
+    report = (reruns["tmp"] / "report" / report_folder(first) / "report.md").read_text()
     assert "eval F1 is the F1 of class 1, `pos` (classes 0 = neg, 1 = pos; param `label_names`)" in report
     comparison = report.split("## Comparison")[1].split("###")[0]
     # (a collapsed run's row is marked so)
@@ -630,7 +669,7 @@ def test_the_breakdown_is_titled_as_the_parts_at_the_peak_with_its_phase(reruns)
     from pipeline.report.tables import peak_phase
 
     (first, _), _, _ = reruns["sweeps"]
-    folder = reruns["tmp"] / "report" / first.info.run_name
+    folder = reruns["tmp"] / "report" / report_folder(first)
     report = (folder / "report.md").read_text()
     assert (
         "*Memory at the moment of the peak of the profiled step, by part (not each part's own maximum)"
@@ -708,10 +747,3 @@ def test_an_unknown_key_is_one_line_and_exit_2(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"error: {message}"
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
-
-
-def test_the_report_reads_the_tag_the_sweep_writes():
-    from pipeline import sweep
-    from pipeline.report import runs
-
-    assert sweep.SKIPPED_RUN == runs.SKIPPED_RUN  # one name, kept in two modules (the report loads no sweep)

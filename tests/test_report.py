@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from pipeline import report
 from pipeline.sweep import SweepCallback
-from tests.conftest import ROOT, TINY, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, report_folder, run_cli, store, sweep_runs
 
 # 2 optimizers x 2 batch sizes x 2 seeds; data=csv without its files adds 8 points that fail at validation,
 # before any job process starts (no cost), for the failed-jobs table
@@ -43,7 +43,7 @@ def sweep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def out(sweep):
     tmp, _, parent, _ = sweep
-    return tmp / "report" / parent.info.run_name
+    return tmp / "report" / report_folder(parent)
 
 
 @pytest.fixture(scope="module")
@@ -211,13 +211,16 @@ def test_selecting_by_name_or_whole_experiment_gives_the_same_table(sweep, table
     tmp, _, parent, _ = sweep
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     had_uri = "MLFLOW_TRACKING_URI" in os.environ
-    folder, by_name = report.build(uri, [parent.info.run_name, parent.info.run_id], out=tmp_path / "named")
+    # its name (what it swept), its id and its folder select the same sweep
+    assert parent.info.run_name == " ".join(SWEEP[1:])
+    selectors = [parent.info.run_name, parent.info.run_id, report_folder(parent)]
+    folder, by_name = report.build(uri, selectors, out=tmp_path / "named")
     _, whole = report.build(uri, whole_experiment=True, out=tmp_path / "whole")
     assert folder == tmp_path / "named" and (folder / "report.html").exists()
     pd.testing.assert_frame_equal(by_name, whole)
     pd.testing.assert_frame_equal(by_name.reset_index(drop=True), table, check_dtype=False)
     assert ("MLFLOW_TRACKING_URI" in os.environ) == had_uri  # mlflow's global URI was set only for the search
-    with pytest.raises(report.ReportError, match="no sweep with run id or name 'sweep-nope'"):
+    with pytest.raises(report.ReportError, match="no sweep with run id, name or folder 'sweep-nope'"):
         report.build(uri, ["sweep-nope"], out=tmp_path / "nope")
 
 
@@ -245,7 +248,8 @@ def test_cli_defaults_to_the_latest_sweep_of_the_tracking_uri(sweep, out, tmp_pa
     assert proc.returncode == 2
     assert f"error: no MLflow store at sqlite:///{tmp_path.resolve()}/outputs/mlflow.db" in proc.stderr
     proc = _report_cli("--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "--sweep", "sweep-nope")
-    assert proc.returncode == 2 and parent.info.run_name in proc.stderr  # the error names the known sweeps
+    # the error names the known sweeps, by folder and name
+    assert proc.returncode == 2 and f"{report_folder(parent)} ({parent.info.run_name})" in proc.stderr
 
 
 def test_a_failing_report_does_not_hide_the_sweep_results(sweep, monkeypatch, capsys):
@@ -298,7 +302,7 @@ def test_report_html_renders_in_headless_chromium(out, tmp_path):
 def test_the_page_leads_with_the_sweeps_status_and_the_decision_columns(out):
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     # written before the sweep closes its parent run, the header still gives the status it closes it with
-    assert re.search(r"^- sweep `sweep-[\d_-]+`: FAILED", md, re.M)  # (the data=csv points failed)
+    assert re.search(r"^- sweep `optim=.*`: FAILED", md, re.M)  # (the data=csv points failed)
     assert "RUNNING" not in md
     lead = md.split("## Comparison\n\n")[1].splitlines()[0]
     assert lead == (

@@ -432,7 +432,10 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
             for part, value in run.items():
                 assert value == ref_runs[name][part], (name, part)
         assert parent.info.status == ref_parent.info.status == "FINISHED"
-        assert parent.data.metrics == ref_parent.data.metrics
+        # (its best figures too, but for the throughput: a speed, like the jobs' own)
+        steady = lambda metrics: {k: v for k, v in metrics.items() if not k.endswith(HOW_FAST)}  # noqa: E731
+        assert steady(parent.data.metrics) == steady(ref_parent.data.metrics)
+        assert "train_samples_per_second" in parent.data.metrics
         assert parent.data.tags["mlflow.note.content"] == ref_parent.data.tags["mlflow.note.content"]
         assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
         # recording again records nothing twice

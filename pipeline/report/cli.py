@@ -32,7 +32,10 @@ def show_sweeps(uri: str) -> None:
     """`--list`: the sweeps of the store, one line each."""
     sweeps = list_sweeps(uri)
     print(f"store: {uri}")
-    print(sweeps.to_string(index=False) if len(sweeps) else "no sweeps")
+    width = int(sweeps.sweep.str.len().max()) if len(sweeps) else 0  # names left-aligned, as written
+    left = {"sweep": lambda name: f"{name:<{width}}"}
+    table = sweeps.to_string(index=False, formatters=left, justify="left") if len(sweeps) else "no sweeps"
+    print("\n".join(line.rstrip() for line in table.splitlines()))
     alone = sweeps.attrs.get("single_runs", 0)
     if alone:
         print(
@@ -52,7 +55,8 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="ID_OR_NAME",
-        help="a sweep's parent run id or run name (e.g. sweep-2026-01-31_12-00-00); repeat for several "
+        help="a sweep's parent run id, name (what it swept, e.g. 'optim=adamw,adafactor model=tiny': the latest "
+        "sweep of that name) or folder (e.g. sweep-2026-01-31_12-00-00, as --list shows); repeat for several "
         "sweeps, whose jobs are then compared together (more seeds of the same points are pooled; each point, by "
         "config hash, counted once: its latest FINISHED run)",
     )
@@ -72,7 +76,9 @@ def main(argv=None) -> int:
         help="report these job runs on their own (repeat for several), e.g. a single run's",
     )
     parser.add_argument(
-        "--list", action="store_true", help="list the sweeps of the store (name, status, jobs, ...) and exit"
+        "--list",
+        action="store_true",
+        help="list the sweeps of the store (folder, status, jobs, ..., name) and exit",
     )
     parser.add_argument(
         "--tracking-uri",
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
         "--out",
         type=Path,
         metavar="DIR",
-        help="output folder (default: <outputs dir>/report/<sweep run name>/)",
+        help="output folder (default: <outputs dir>/report/<sweep folder>/, e.g. report/sweep-2026-01-31_12-00-00)",
     )
     parser.add_argument(
         "overrides",

@@ -40,6 +40,7 @@ from pipeline.report.runs import (
     EXPERIMENT,
     OUTPUTS,
     find_sweeps,
+    folder_names,
     job_table,
     loss_history,
     one_per_point,
@@ -402,21 +403,24 @@ def build(
     status: str | None = None,
     runs=(),
 ) -> tuple[Path, pd.DataFrame]:
-    """Read the runs, write the report to `out` (default root/<sweep name>, root: outputs_of); the folder and
-    the table. `runs`: run ids to report on their own, instead of sweeps. `quality_metric` (macro_f1, f1,
-    accuracy) picks each optimizer's rate where rates were tuned, and `target_fraction` sets the
-    steps-to-target target; `status`: the sweep's final status, from a caller that builds the report before
-    closing the sweep's parent run (sweep_status). Each point counts once (one_per_point)."""
+    """Read the runs, write the report to `out` (default root/<sweep folder>, folder_names; root: outputs_of),
+    titled by the sweeps' names; the folder and the table. `runs`: run ids to report on their own, instead of
+    sweeps. `quality_metric` (macro_f1, f1, accuracy) picks each optimizer's rate where rates were tuned, and
+    `target_fraction` sets the steps-to-target target; `status`: the sweep's final status, from a caller that
+    builds the report before closing the sweep's parent run (sweep_status). Each point counts once
+    (one_per_point)."""
     parents = None if whole_experiment or runs else find_sweeps(uri, sweeps, experiment)
     raw = search_jobs(uri, parents, experiment, runs)
     jobs, left_out = one_per_point(job_table(raw, sweep_names(uri)))
     training = jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]
     table = compare(training, baseline)
     if runs:
-        name = "+".join(dict.fromkeys(jobs.run_name.astype(str)))
-    else:
-        name = experiment if parents is None else "+".join(parents["tags.mlflow.runName"])
-    out = Path(out) if out else Path(root or outputs_of(uri, parents) / "report") / name
+        name = folder = "+".join(dict.fromkeys(jobs.run_name.astype(str)))
+    elif parents is None:
+        name = folder = experiment
+    else:  # titled by what the sweeps swept, in the folder named by their own folders
+        name, folder = " + ".join(parents["tags.mlflow.runName"]), "+".join(folder_names(parents))
+    out = Path(out) if out else Path(root or outputs_of(uri, parents) / "report") / folder
     title = f"Optimizer comparison: {name}"
     about = _about(uri, parents, jobs, baseline, status)
     pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pandas as pd
 
+from pipeline.tracking import SKIPPED_RUN
+
 EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 OUTPUTS = "outputs"  # conf/config.yaml's outputs_dir
-# a sweep's parent-run tags `skipped_run.<job number>`: the runs its skipped points had FINISHED as (written by
-# pipeline.sweep, whose SKIPPED_RUN this is; not imported: the report does not load the sweep's machinery)
-SKIPPED_RUN = "skipped_run."
 
 
 class ReportError(RuntimeError):
@@ -61,14 +61,28 @@ def find_sweeps(uri: str, selectors=(), experiment: str = EXPERIMENT) -> pd.Data
         raise ReportError(f"no sweep in {uri}" + ("" if selectors else f", experiment {experiment!r}"))
     if not selectors:
         return sweeps
-    chosen = []
+    chosen, folders = [], folder_names(sweeps)
     for selector in selectors:
-        match = sweeps[(sweeps.run_id == selector) | (sweeps["tags.mlflow.runName"] == selector)]
+        named = (sweeps["tags.mlflow.runName"] == selector) | (folders == selector)
+        match = sweeps[sweeps.run_id == selector]
+        if match.empty:  # a name several sweeps share (the same command run twice): the latest of them
+            match = sweeps[named].sort_values("start_time").tail(1)
         if match.empty:
-            known = ", ".join(sweeps.sort_values("start_time")["tags.mlflow.runName"].tail(5))
-            raise ReportError(f"no sweep with run id or name {selector!r} in {uri} (latest: {known})")
+            latest = sweeps.assign(folder=folders).sort_values("start_time").tail(3)
+            known = "; ".join(
+                f"{f} ({n})" for f, n in zip(latest.folder, latest["tags.mlflow.runName"], strict=True)
+            )
+            raise ReportError(f"no sweep with run id, name or folder {selector!r} in {uri} (latest: {known})")
         chosen.append(match)
     return pd.concat(chosen).drop_duplicates("run_id").sort_values("start_time")
+
+
+def folder_names(sweeps: pd.DataFrame) -> pd.Series:
+    """Each sweep's report folder name, `sweep-<its folder's name>` (`sweep-2026-12-01_14-03-45`, from its
+    parent run's tag sweep_dir): unique and free of spaces, unlike the sweep's name (its overrides)."""
+    where = sweeps.reindex(columns=["tags.sweep_dir"]).iloc[:, 0]
+    named = where.map(lambda path: f"sweep-{Path(path).name}" if isinstance(path, str) else None)
+    return named.fillna(sweeps["tags.mlflow.runName"])
 
 
 def _by_id(mlflow, run_ids: list[str]) -> pd.DataFrame:
@@ -130,8 +144,8 @@ def sweep_names(uri: str) -> dict[str, str]:
 
 
 def list_sweeps(uri: str) -> pd.DataFrame:
-    """The sweeps of a store, oldest first: name, experiment, status, jobs (run by it), finished, failed,
-    skipped (points found FINISHED before), started (UTC), parent run id; then the runs outside any sweep."""
+    """The sweeps of a store, oldest first: folder, experiment, status, jobs (run by it), finished, skipped
+    (points found FINISHED before), started (UTC), parent run id, name; then the runs outside any sweep."""
     with _store(uri) as mlflow:
         every = mlflow.search_runs(search_all_experiments=True)
         experiments = {e.experiment_id: e.name for e in mlflow.search_experiments()}
@@ -143,7 +157,7 @@ def list_sweeps(uri: str) -> pd.DataFrame:
     by_parent = jobs.groupby("parent").status
     rows = pd.DataFrame(
         {
-            "sweep": sweeps["tags.mlflow.runName"],
+            "folder": folder_names(sweeps),
             "experiment": sweeps.experiment_id.map(experiments),
             "status": sweeps.status,
             "jobs": sweeps.run_id.map(by_parent.size()).fillna(0).astype(int),
@@ -151,6 +165,7 @@ def list_sweeps(uri: str) -> pd.DataFrame:
             "skipped": sweeps.reindex(columns=["metrics.jobs_skipped"]).iloc[:, 0].fillna(0),
             "started (UTC)": sweeps.start_time.dt.strftime("%Y-%m-%d %H:%M:%S"),
             "parent run": sweeps.run_id,
+            "sweep": sweeps["tags.mlflow.runName"],  # what it swept (last: the longest)
         }
     )
     rows[["finished", "skipped"]] = rows[["finished", "skipped"]].astype(int)
