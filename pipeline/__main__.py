@@ -10,7 +10,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import quiet, runner, sweep
-from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, validate
+from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, unused_custom_optim, validate
 from pipeline.keys import check_keys
 
 # `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
@@ -44,6 +44,9 @@ def main(cfg: DictConfig) -> float | None:
         # a single run fails fast on bad input; in a sweep, a bad point becomes a FAILED run and the rest go on
         try:
             validate(cfg)
+            unused = unused_custom_optim(cfg, [HydraConfig.get().runtime.choices.get("optim")])
+            if unused is not None:
+                raise unused
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)

@@ -45,6 +45,20 @@ class ConfigError(ValueError):
         self.keys = keys
 
 
+def unused_custom_optim(cfg: DictConfig, optims: list) -> ConfigError | None:
+    """`custom_optim=...` given where no run uses it (`optims`: the optimizer options the command runs, none of
+    them `custom`): it would be ignored without a word."""
+    target = OmegaConf.select(cfg, "custom_optim")
+    if target is None or "custom" in optims:
+        return None
+    ran = ",".join(str(o) for o in optims)
+    return ConfigError(
+        f"custom_optim={target} is set, but no run uses it (optim={ran}): put the custom optimizer beside the "
+        f"others, optim={ran},custom",
+        keys=("custom_optim", "optim"),
+    )
+
+
 def did_you_mean(value, names) -> str:
     """`; did you mean adamw?` when one allowed name is close to a misspelt value, else ''."""
     close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1)

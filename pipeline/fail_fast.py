@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import CONF_DIR, ConfigError, problems
+from pipeline.config import CONF_DIR, ConfigError, problems, unused_custom_optim
 
 EVERYTHING = ""  # a key related to every key: what a value that cannot be followed depends on
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -75,6 +75,7 @@ class Sweep:
     groups: set[str] = field(default_factory=set)  # keys that the options of swept config groups set
     fixed: set[str] = field(default_factory=set)  # keys set by a constant override: the same at every point
     values: dict[str, list] = field(default_factory=dict)  # a swept key's values, where the sweep lists them
+    options: dict[str, list] = field(default_factory=dict)  # a swept config group's options (`optim=a,b`)
 
     def varies(self, key: str, seen: set[str] | None = None) -> bool:
         """Whether the key's value can differ between points of the sweep."""
@@ -154,6 +155,10 @@ def sweep_of(config: DictConfig) -> Sweep | None:
                 if keys is None:
                     return None
                 sweep.groups |= keys
+                try:
+                    sweep.options[name] = [str(option) for option in override.sweep_iterator()]
+                except Exception:  # a glob or a value the parser cannot list
+                    pass
         elif swept:
             sweep.keys.add(name)
             try:
@@ -173,7 +178,8 @@ def point_independent_error(config: DictConfig) -> ConfigError | None:
     for err in problems(config):
         if err.keys and not any(sweep.varies(key) for key in err.keys):
             return err
-    return unusable_value_error(config, sweep)
+    optims = sweep.options.get("optim", [config.hydra.runtime.choices.get("optim")])
+    return unused_custom_optim(config, optims) or unusable_value_error(config, sweep)
 
 
 def unusable_value_error(config: DictConfig, sweep: Sweep) -> ConfigError | None:

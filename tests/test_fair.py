@@ -39,6 +39,24 @@ def test_a_class_named_on_the_command_line_runs_under_its_own_name(adamw_and_cus
     assert runs["adamw"].data.tags["config_hash"] == config_hash(compose_cfg(*QUICK))
 
 
+@pytest.mark.parametrize(
+    "args, ran",
+    [
+        (["optim=adamw"], "adamw"),  # a single run
+        (["-m", "optim=adamw,sgd"], "adamw,sgd"),
+        (["-m"], "adamw"),  # the default optimizer
+    ],
+)
+def test_a_custom_optimizer_no_run_uses_is_one_line_not_ignored(args, ran, tmp_path):
+    proc = run_cli(tmp_path, *args, "custom_optim=torch.optim.NAdam", *QUICK)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        f"error: custom_optim=torch.optim.NAdam is set, but no run uses it (optim={ran}): put the custom "
+        f"optimizer beside the others, optim={ran},custom"
+    )
+    assert not (tmp_path / "mlflow.db").exists()  # before any run opened
+
+
 def test_the_rate_is_a_column_where_rows_differ_and_one_line_names_the_untuned(adamw_and_custom):
     tmp, proc = adamw_and_custom
     runs = {r.data.params["optim"]: r for r in sweep_runs(tmp)[1]}
