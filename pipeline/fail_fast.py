@@ -75,7 +75,8 @@ class Sweep:
     groups: set[str] = field(default_factory=set)  # keys that the options of swept config groups set
     fixed: set[str] = field(default_factory=set)  # keys set by a constant override: the same at every point
     values: dict[str, list] = field(default_factory=dict)  # a swept key's values, where the sweep lists them
-    options: dict[str, list] = field(default_factory=dict)  # a swept config group's options (`optim=a,b`)
+    # a swept config group's options (`optim=a,b`; None where the sweep does not list them: a glob)
+    options: dict[str, list | None] = field(default_factory=dict)
 
     def varies(self, key: str, seen: set[str] | None = None) -> bool:
         """Whether the key's value can differ between points of the sweep."""
@@ -157,8 +158,8 @@ def sweep_of(config: DictConfig) -> Sweep | None:
                 sweep.groups |= keys
                 try:
                     sweep.options[name] = [str(option) for option in override.sweep_iterator()]
-                except Exception:  # a glob or a value the parser cannot list
-                    pass
+                except Exception:  # a glob or a value the parser cannot list: not known
+                    sweep.options[name] = None
         elif swept:
             sweep.keys.add(name)
             try:
@@ -179,7 +180,8 @@ def point_independent_error(config: DictConfig) -> ConfigError | None:
         if err.keys and not any(sweep.varies(key) for key in err.keys):
             return err
     optims = sweep.options.get("optim", [config.hydra.runtime.choices.get("optim")])
-    return unused_custom_optim(config, optims) or unusable_value_error(config, sweep)
+    unused = None if optims is None else unused_custom_optim(config, optims)
+    return unused or unusable_value_error(config, sweep)
 
 
 def unusable_value_error(config: DictConfig, sweep: Sweep) -> ConfigError | None:
