@@ -102,7 +102,7 @@ def sweep_url(tracker: Tracker, parent, local_ui: str = LOCAL_UI) -> str:
     # its jobs; with the runs its skipped points had FINISHED as before (tags skipped_run.<job>), by id
     found = [value for tag, value in parent.data.tags.items() if tag.startswith(SKIPPED_RUN)]
     where = f"tags.mlflow.parentRunId = '{run_id}'"
-    jobs = [r.info.run_id for r in tracker.child_runs(experiment_id, run_id)] + found if found else []
+    jobs = ([r.info.run_id for r in tracker.child_runs(experiment_id, run_id)] + found) if found else []
     if 0 < len(jobs) <= LISTED_RUNS:
         where = "attributes.run_id IN ({})".format(", ".join(f"'{job}'" for job in dict.fromkeys(jobs)))
     try:
