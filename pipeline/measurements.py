@@ -152,6 +152,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
+    inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
     store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions())
 
     def figures() -> dict:

@@ -412,6 +412,7 @@ def simulate(
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
+        + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
     )
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda)
     if key not in _OPTIMIZER_STEP:

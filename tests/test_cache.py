@@ -100,3 +100,27 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     simulated(tmp_path, "train.precision=bf16")
     assert len(entries(cached)) == 9
     assert adafactor["peak"] < first["peak"]
+
+
+def test_a_class_of_ones_own_is_simulated_again_once_its_file_is_edited(tmp_path, monkeypatch):
+    """optim.target names a class in a file on PYTHONPATH: the plan's entries are keyed by that file as it is,
+    so an edited optimizer is never planned with its old code."""
+    source = tmp_path / "mine" / "my_sgd.py"
+    source.parent.mkdir()
+    source.write_text("import torch\n\nclass MySGD(torch.optim.SGD):\n    pass\n")
+    monkeypatch.syspath_prepend(str(source.parent))
+    mine = ["optim=custom", "optim.target=my_sgd.MySGD"]
+    assert optimizers.source_stamp(compose_cfg(*mine)) == [[str(source), source.stat().st_size,
+                                                              source.stat().st_mtime_ns]]  # fmt: skip
+    assert optimizers.source_stamp(compose_cfg("optim=adamw")) == []
+    monkeypatch.setattr(plan, "_PROFILES", {})  # (a fresh process: nothing simulated in memory)
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    simulated(tmp_path, *mine)
+    cached = tmp_path / "cache" / "plan"
+    assert len(entries(cached)) == 3
+    simulated(tmp_path, *mine)  # the same file: the same entries
+    assert len(entries(cached)) == 3
+    source.write_text(source.read_text() + "\n# edited\n")
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})  # (a new process: nothing simulated in memory)
+    simulated(tmp_path, *mine)
+    assert len(entries(cached)) == 5  # a new step and optimizer step; the pass does not depend on it

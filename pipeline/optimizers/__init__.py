@@ -19,7 +19,14 @@ package: `from pipeline.optimizers import get, spec_for, REGISTRY`.
 """
 
 from pipeline.optimizers.bitsandbytes_optim import TRAINER_EMBEDDING_FP32
-from pipeline.optimizers.custom import MetaStepFailed, check_custom, meta_copy, meta_estimate, meta_model
+from pipeline.optimizers.custom import (
+    MetaStepFailed,
+    check_custom,
+    meta_copy,
+    meta_estimate,
+    meta_model,
+    source_stamp,
+)
 from pipeline.optimizers.registry import (
     ADDED_SETTINGS,
     REGISTRY,
@@ -65,5 +72,6 @@ __all__ = [
     "missing_packages",
     "param_infos",
     "settings",
+    "source_stamp",
     "spec_for",
 ]

@@ -38,6 +38,25 @@ def custom_class(cfg):
     return cls
 
 
+def source_stamp(cfg) -> list:
+    """What tells the file that defines `optim.target`'s class apart from an edited one (pipeline.cache's file
+    stamp): in the plan cache's keys, so that a step simulated with the class's old code is never reused. []
+    for an optimizer without a target, or a class without a source file."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from pipeline import cache
+
+    if not OmegaConf.select(cfg, "optim.target"):
+        return []
+    try:
+        path = inspect.getsourcefile(custom_class(cfg))
+    except (TypeError, ValueError):  # a class built in C, or a target that cannot be imported (its job says)
+        return []
+    return cache.file_stamp(path) if path else []
+
+
 def custom_kwargs(cfg) -> dict:
     from omegaconf import OmegaConf
 
