@@ -77,12 +77,9 @@ def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     return state
 
 
-def runs_url(tracker: Tracker, experiment: str = EXPERIMENT, local_ui: str = LOCAL_UI) -> str | None:
-    """The experiment's runs table in the model-training mode with the saved view, after marking the
-    experiment as model training and (re)writing the view; None when the store has no such experiment."""
-    found = tracker.client.get_experiment_by_name(experiment)
-    if found is None:
-        return None
+def runs_url(tracker: Tracker, found, local_ui: str = LOCAL_UI) -> str:
+    """The runs table of the experiment `found` in the model-training mode with the saved view, after marking
+    the experiment as model training and (re)writing the view."""
     try:
         tracker.mark_model_training(found)
         tracker.save_view(found.experiment_id, VIEW_KEY, VIEW_NAME, view_state())
@@ -219,8 +216,8 @@ def main(argv=None) -> int:
     local_ui = f"http://{args.host}:{args.port}"
     try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
         tracker = Tracker(uri)
-        url = runs_url(tracker, args.experiment, local_ui)
         experiment = tracker.client.get_experiment_by_name(args.experiment)
+        url = experiment and runs_url(tracker, experiment, local_ui)
         latest = experiment and latest_sweep(tracker, experiment.experiment_id)
         latest_url = latest and sweep_url(tracker, latest, local_ui)
     except StoreError as err:
