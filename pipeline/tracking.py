@@ -3,7 +3,7 @@ saved views of the runs table and the UI's addresses; the lock beside a sqlite s
 the one-line StoreError of a store that cannot be opened or a server that refuses this client.
 
 It knows nothing of sweeps, jobs or reports (pipeline.sweep and pipeline.runner use it), and imports nothing of
-ours but `pipeline` itself.
+ours but pipeline.cache (where a new sqlite store's empty schema is kept).
 """
 
 from __future__ import annotations
@@ -87,6 +87,42 @@ LOCK_TIMEOUT_S = 600  # how long a process waits for another one creating or mig
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a sqlite store URI, None for any other store."""
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def seed_sqlite(path: Path, outputs_dir) -> None:
+    """A new sqlite store begins as a copy of an empty one that MLflow created and migrated once (kept in
+    pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions): MLflow's
+    migrations of a new file take seconds, a copy milliseconds. The copy holds no experiment: MLflow adds its
+    Default one, with this store's artifact location and time, when it opens the store. Where the cache cannot
+    be written, nothing is copied and MLflow creates the schema itself."""
+    import shutil
+    import sqlite3
+    from importlib.metadata import version
+
+    from pipeline import cache
+
+    folder = cache.folder(outputs_dir, "mlflow")
+    empty = folder / f"empty-{cache.key(*(version(p) for p in ('mlflow', 'sqlalchemy', 'alembic')))}.db"
+    try:
+        if not empty.exists():
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{empty.name}.{os.getpid()}"
+            try:
+                tmp.unlink(missing_ok=True)
+                store = SqlAlchemyStore(f"sqlite:///{tmp}", str(folder))  # creates and migrates the schema
+                store.engine.dispose()
+                with contextlib.closing(sqlite3.connect(tmp)) as db, db:
+                    db.execute("DELETE FROM experiments")
+                os.replace(tmp, empty)  # whole or not at all: sweeps started at once may make it together
+            finally:
+                tmp.unlink(missing_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        shutil.copyfile(empty, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -219,6 +255,8 @@ class Tracker:
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
             with creation_lock(uri):  # MLflow creates or migrates a sqlite schema when it opens the store
+                if path is not None and not path.exists():
+                    seed_sqlite(path, self.outputs_dir)
                 self.client = MlflowClient(self.uri)
         except StoreError:
             raise

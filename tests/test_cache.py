@@ -1,6 +1,7 @@
 """Work done once per sweep (pipeline.cache): the data splits and the simulated step are made once per key and
 made anew when what determines them changes, never reused from other inputs."""
 
+import contextlib
 import json
 import os
 
@@ -124,3 +125,50 @@ def test_a_class_of_ones_own_is_simulated_again_once_its_file_is_edited(tmp_path
     monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})  # (a new process: nothing simulated in memory)
     simulated(tmp_path, *mine)
     assert len(entries(cached)) == 5  # a new step and optimizer step; the pass does not depend on it
+
+
+def schema(db) -> dict:
+    """Each table's and index's statement, as the set of its lines (MLflow's migrations write a table's
+    constraints in no fixed order)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        found = c.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")
+        return {
+            (kind, name): sorted(line.strip().rstrip(",") for line in (sql or "").splitlines())
+            for kind, name, sql in found
+        }
+
+
+def rows(db, query: str) -> list:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        return c.execute(query).fetchall()
+
+
+def test_a_new_sqlite_store_is_a_copy_of_the_schema_mlflow_makes(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from pipeline.tracking import Tracker
+
+    own = tmp_path / "mlflow-made.db"
+    MlflowClient(f"sqlite:///{own}").search_experiments()  # MLflow creates and migrates it itself
+    stores = [tmp_path / name / "mlflow.db" for name in ("a", "b")]  # two outputs folders, one cache
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    for db in stores:
+        tracker = Tracker(f"sqlite:///{db}", db.parent)
+        tracker.experiment_id("optimizer-sweep")
+    (empty,) = (tmp_path / "cache" / "mlflow").iterdir()  # one empty store, copied twice
+    assert rows(empty, "SELECT * FROM experiments") == []
+    for db in stores:
+        assert schema(db) == schema(own)
+        assert rows(db, "SELECT * FROM alembic_version") == rows(own, "SELECT * FROM alembic_version")
+        assert rows(db, "SELECT * FROM workspaces") == rows(own, "SELECT * FROM workspaces")
+        # the Default experiment MLflow adds on opening, and ours with its artifacts beside the store
+        assert rows(db, "SELECT experiment_id, name FROM experiments") == [
+            (0, "Default"),
+            (1, "optimizer-sweep"),
+        ]
+        (location,) = rows(db, "SELECT artifact_location FROM experiments WHERE experiment_id = 1")[0]
+        assert location == (db.parent / "mlartifacts").as_uri()
