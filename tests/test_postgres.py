@@ -43,8 +43,8 @@ def test_a_sweep_into_postgres_loses_nothing_when_the_server_restarts_mid_sweep(
             while not list(out.glob("multirun/*/0/unrecorded.json")):
                 assert sweep.poll() is None and time.time() < deadline, (tmp_path / "sweep.err").read_text()
                 time.sleep(0.2)
-            server = services.start_team_server(
-                tmp_path / "server", *stores, port=int(server.uri.split(":")[-1])
+            server = services.start_team_server(  # as before it stopped: one worker, the same port
+                tmp_path / "server", *stores, port=int(server.uri.split(":")[-1]), workers=1
             )
             code = sweep.wait(timeout=900)
         err = (tmp_path / "sweep.err").read_text()
