@@ -94,7 +94,7 @@ def seed_sqlite(path: Path, outputs_dir) -> None:
     pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions): MLflow's
     migrations of a new file take seconds, a copy milliseconds. The copy holds no experiment: MLflow adds its
     Default one, with this store's artifact location and time, when it opens the store. Where the cache cannot
-    be written, nothing is copied and MLflow creates the schema itself."""
+    be written (or the empty store cannot be made), nothing is copied and MLflow creates the schema itself."""
     import shutil
     import sqlite3
     from importlib.metadata import version
@@ -119,9 +119,12 @@ def seed_sqlite(path: Path, outputs_dir) -> None:
             finally:
                 tmp.unlink(missing_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        shutil.copyfile(empty, tmp)
-        os.replace(tmp, path)
-    except OSError:
+        try:
+            shutil.copyfile(empty, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except Exception:  # the cache cannot be written, or the empty store made: MLflow makes this one itself
         pass
 
 
