@@ -4,6 +4,7 @@ made anew when what determines them changes, never reused from other inputs."""
 import contextlib
 import json
 import os
+import sqlite3
 
 import pandas as pd
 import pytest
@@ -133,8 +134,6 @@ def test_a_class_of_ones_own_is_simulated_again_once_its_file_is_edited(tmp_path
 def schema(db) -> dict:
     """Each table's and index's statement, as the set of its lines (MLflow's migrations write a table's
     constraints in no fixed order)."""
-    import sqlite3
-
     with contextlib.closing(sqlite3.connect(db)) as c:
         found = c.execute("SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")
         return {
@@ -144,8 +143,6 @@ def schema(db) -> dict:
 
 
 def rows(db, query: str) -> list:
-    import sqlite3
-
     with contextlib.closing(sqlite3.connect(db)) as c:
         return c.execute(query).fetchall()
 
