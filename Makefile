@@ -61,13 +61,13 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
-# CI: make test and make test-slow in one session (on 2 cores 21 min against 28 one after the other), the files that
-# hold slow tests handed out first (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
+# CI: make test, make test-slow and make test-cluster in one session, the files that hold slow tests handed out first
+# (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
 test-ci: install
-	$(BIN)/python -m pytest -m "not gpu and not matrix and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
-# the real SLURM cluster's and PostgreSQL server's longest tests (a requeue, a 2-rank job, 8 clients at once): minutes
-# each, left out of test-ci; their other tests (4 points, SIGTERM, scancel, time limit, a server restart) run there
+# the real SLURM cluster's and PostgreSQL server's longest tests alone (a requeue, a 2-rank job, 8 clients at once):
+# minutes each; CI runs them with the rest
 test-cluster: install
 	$(BIN)/python -m pytest -m cluster -n $(TEST_WORKERS) --dist loadfile
 
