@@ -61,8 +61,8 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
-# CI: make test, make test-slow and make test-cluster in one session, the files that hold slow tests handed out first
-# (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
+# CI: make test and make test-slow (make test-cluster's tests among them) in one session, the files that hold slow
+# tests handed out first (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
 test-ci: install
 	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
