@@ -77,11 +77,20 @@ class Store:
     def __init__(self, folder: Path, *context):
         self.folder, self.context = Path(folder), context
 
+    def _path(self, inputs: list) -> Path:
+        return self.folder / f"{key(*self.context, *inputs)}.json"
+
+    def find(self, inputs: list):
+        """The entry for `inputs`, or None where there is none."""
+        return read_json(self._path(inputs))
+
+    def put(self, inputs: list, value) -> None:
+        write_json(self._path(inputs), value)
+
     def get(self, inputs: list, compute):
         """The entry for `inputs`: read back, or `compute()`d (JSON-able) and kept."""
-        path = self.folder / f"{key(*self.context, *inputs)}.json"
-        value = read_json(path)
+        value = self.find(inputs)
         if value is None:
             value = compute()
-            write_json(path, value)
+            self.put(inputs, value)
         return value

@@ -18,7 +18,8 @@ the weights, every gradient, the state and the step's temporaries.
 A plan costs four simulated passes of a small model, whatever the model's size and the batch: the pass is
 simulated at two batch sizes (each allocation's parts are affine in the batch: `Profile`) and, for a deep stack
 of identical layers, at two shallow depths (affine in the depth too: `_stretches`); every other batch size,
-the model's own depth and the largest batch that fits a budget follow exactly.
+the model's own depth and the largest batch that fits a budget follow exactly. A training job's simulated step
+(`predicted_peak_mb`) needs its own batch size only: its pass is simulated at that size alone.
 """
 
 from __future__ import annotations
@@ -127,31 +128,49 @@ class Profile:
     parts are affine in it, `base + batch * per_sample` (activations and what is made from them grow with the
     batch, weights and gradients do not): two simulated batch sizes give every other one, and the largest
     batch that fits a budget, without simulating. A smaller batch (one sample) is simulated itself: its
-    size-1 dimensions make some copies views."""
+    size-1 dimensions make some copies views.
 
-    def __init__(self, trace_at, lines: tuple | None = None):
+    Simulated as late as possible: the first batch size asked is simulated itself (a training job's simulated
+    step needs its own batch only: one pass, not two); a second one fits the lines from that pass and one more
+    at a TRACED_BATCHES size."""
+
+    def __init__(self, trace_at, lines: tuple | None = None, fitted=None):
         """`trace_at(batch)`: the parts (bytes) after every allocation of a pass of that batch size; `lines`:
-        (base, per_sample) as `lines()` gave them for the same pass, else traced here."""
-        self._trace_at, self._small = trace_at, {}
-        if lines is None:
-            (b1, b2) = TRACED_BATCHES
-            x, y = trace_at(b1), trace_at(b2)
+        (base, per_sample) as `lines()` gave them for the same pass, else fitted here when needed, and then
+        handed to `fitted` (to keep them)."""
+        self._trace_at, self._fitted, self._traces = trace_at, fitted, {}
+        self._lines = None if lines is None else tuple(np.asarray(a, dtype=float) for a in lines)
+
+    def _trace(self, batch: int) -> np.ndarray:
+        if batch not in self._traces:
+            self._traces[batch] = np.asarray(self._trace_at(batch))
+        return self._traces[batch]
+
+    def _fit(self) -> tuple[np.ndarray, np.ndarray]:
+        """(base, per_sample): from two passes of batch sizes from TRACED_BATCHES[0] on (one simulated already,
+        where there is one)."""
+        if self._lines is None:
+            traced = sorted(b for b in self._traces if b >= TRACED_BATCHES[0])
+            b1, b2 = (traced + [b for b in TRACED_BATCHES if b not in traced])[:2]
+            x, y = self._trace(b1), self._trace(b2)
             _check_aligned({"pass": x}, {"pass": y}, f"batch sizes {b1} and {b2}")
             per_sample = (y - x) / (b2 - b1) / MB  # allocations x PART_KEYS
-            lines = x / MB - b1 * per_sample, per_sample
-        self.base, self.per_sample = (np.asarray(a, dtype=float) for a in lines)
+            self._lines = (x / MB - b1 * per_sample, per_sample)
+            if self._fitted is not None:
+                self._fitted(self.lines())
+        return self._lines
 
     def lines(self) -> list:
         """(base, per_sample) as lists (JSON)."""
-        return [self.base.tolist(), self.per_sample.tolist()]
+        return [a.tolist() for a in self._fit()]
 
     def values(self, batch: int) -> np.ndarray:
         """The parts (MB) after every allocation for `batch` samples."""
-        if batch >= TRACED_BATCHES[0]:
-            return self.base + batch * self.per_sample
-        if batch not in self._small:
-            self._small[batch] = self._trace_at(batch) / MB
-        return self._small[batch]
+        first = self._lines is None and not any(b >= TRACED_BATCHES[0] for b in self._traces)
+        if batch in self._traces or batch < TRACED_BATCHES[0] or first:
+            return self._trace(batch) / MB
+        base, per_sample = self._fit()
+        return base + batch * per_sample
 
     def parts(self, batch: int) -> dict[str, float]:
         """The parts at the peak for `batch` samples."""
@@ -163,7 +182,7 @@ class Profile:
         for n in range(1, TRACED_BATCHES[0] + 1):  # up to the first traced batch size, one by one
             if self.values(n).sum(axis=1).max() > room:
                 return n - 1
-        base, slope = self.base.sum(axis=1), self.per_sample.sum(axis=1)
+        base, slope = (a.sum(axis=1) for a in self._fit())
         grows = slope > 0
         if not grows.any():
             return MAX_BATCH
@@ -271,9 +290,9 @@ def profile(
     model_config, precision: str, checkpointing: bool, seq: int, names=INPUT_NAMES, store=None
 ) -> Profile:
     """The forward and backward pass's Profile for sequences of `seq` tokens (cached: a sweep's plans of one
-    model share it; in `store` too, a pipeline.cache.Store, where other processes find it). Simulated at
-    TRACED_BATCHES, and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's
-    depth: four passes of a 2- or 3-layer model plan an 8B one."""
+    model share it; in `store` too, a pipeline.cache.Store, where other processes find it). Simulated at the
+    batch sizes the Profile asks for (one, or two for its lines), and, for a deep model, at SHALLOW's depths,
+    each trace then extrapolated to the model's depth: four passes of a 2- or 3-layer model plan an 8B one."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config)
@@ -289,10 +308,15 @@ def profile(
             depth = model_config.num_hidden_layers
             return np.concatenate([_to_depth(a[w], b[w], depth) for w in sorted(a)])
 
-        lines = None
-        if store is not None:
-            lines = store.get(["pass", *key], lambda: Profile(trace_at).lines())
-        _PROFILES[key] = Profile(trace_at, lines)
+        if store is None:
+            _PROFILES[key] = Profile(trace_at)
+        else:  # the lines where another process fitted them; else each pass and the lines, once made, kept
+
+            def kept(batch: int) -> list:
+                return store.get(["pass", *key, batch], lambda: trace_at(batch).tolist())
+
+            fitted = functools.partial(store.put, ["pass", *key])
+            _PROFILES[key] = Profile(kept, store.find(["pass", *key]), fitted)
     return _PROFILES[key]
 
 

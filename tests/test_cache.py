@@ -70,7 +70,8 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     torch.manual_seed(0)
     first = simulated(tmp_path, "seed=0")
     cached = tmp_path / "cache" / "plan"
-    assert len(entries(cached)) == 3  # the step's figures, its forward/backward pass, its optimizer step
+    # the step's figures, its forward/backward pass (at its own batch size only), its optimizer step
+    assert len(entries(cached)) == 3
     assert simulated(tmp_path, "seed=1", "train.max_steps=7") == first  # same step: the same entries
     assert len(entries(cached)) == 3
     # what the entry holds is what the plan computes for that step
@@ -86,24 +87,30 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     }
     assert {key: first[key] for key in expected} == json.loads(json.dumps(expected))
     assert first["rank_peaks"] == [first["peak"]]  # one rank: its peak is the step's
-    # another batch size of the same length, in a process that has simulated nothing: the pass and the
-    # optimizer step are read back, and give what simulating them gives
+    # another batch size of the same length, in a process that has simulated nothing: the optimizer step is
+    # read back, the pass simulated once, at that batch size; together they give what simulating them gives
+    traced = []
     with monkeypatch.context() as patch:
         patch.setattr(plan, "_PROFILES", {})
         patch.setattr(plan, "_OPTIMIZER_STEP", {})
-        patch.setattr(plan, "_trace", None)  # nothing is simulated: a call would fail
-        patch.setattr(plan, "optimizer_step", None)
+        trace = plan._trace
+        patch.setattr(plan, "_trace", lambda *args, **kw: traced.append(args[3]) or trace(*args, **kw))
+        patch.setattr(plan, "optimizer_step", None)  # not simulated: a call would fail
         read_back = simulated(tmp_path, batch=(5, 32))
-    assert len(entries(cached)) == 4
+    assert traced == [5]
+    assert len(entries(cached)) == 5  # its step's figures and its pass
     fresh = plan.simulate(
         model.config, optimizers.spec_for(cfg.optim), cfg, 5, 32, names=("input_ids", "attention_mask")
     )
     assert read_back["peak"] == fresh["peak"] and read_back["activations"] == fresh["parts"]["activations"]
+    # (this process's pass of that length, at batch 16 only, fitted its lines for batch 5 from one more pass
+    # at batch 2: both kept, for any batch size of that length)
+    assert len(entries(cached)) == 7
     # another optimizer is another step and optimizer step; another precision another pass too
     adafactor = simulated(tmp_path, "optim=adafactor")
-    assert len(entries(cached)) == 6
-    simulated(tmp_path, "train.precision=bf16")
     assert len(entries(cached)) == 9
+    simulated(tmp_path, "train.precision=bf16")
+    assert len(entries(cached)) == 12
     assert adafactor["peak"] < first["peak"]
 
 
