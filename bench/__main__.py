@@ -490,7 +490,7 @@ def write_results(
         "`launcher.start_jobs=warm` (the default: each job's process forked from the sweep's starter) and "
         "`=cold` (a new interpreter per job); the whole command's wall time (Hydra, the MLflow store, the "
         f"parent run, the report) divided by its {SWEEP_JOBS} jobs, in seconds. The repeats run after the "
-        "same sweep ran once (its first run: the tiny model's splits tokenized and its 8 batch shapes' steps "
+        f"same sweep ran once (its first run: the tiny model's splits tokenized and its {SWEEP_JOBS} batch shapes' steps "
         "simulated, each a new sequence length; every later run finds them in the caches, as a rerun, or "
         "a later seed whose batches have a length simulated already, does).",
         "",
@@ -503,7 +503,7 @@ def write_results(
         ),
     ]
     first = r.get("sweep8_first")
-    if first:  # (not in a run measured before it was)
+    if first:  # (a run measured before this row existed has none)
         lines.append(
             f"| warm, the sweep's first run (caches empty; measured once, before the repeats) | "
             f"{first['per_job']:.2f} | {first['per_job'] / first['floor']:.3g} |"
@@ -545,8 +545,7 @@ def main() -> None:
     # (g) the first run of the 8-job sweep: it tokenizes the tiny model's splits and simulates its 8 batch
     # shapes; every later one finds them in the caches, as any rerun or later seed of a shape does
     say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
-    first_floor = import_floor(work)
-    r_first = {"floor": first_floor, "per_job": sweep_per_job(work, "warm")}
+    r_first = {"floor": import_floor(work), "per_job": sweep_per_job(work, "warm")}
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
     r["sweep8"] = {"warm": [], "cold": []}
     r["sweep8_first"] = r_first
