@@ -4,14 +4,20 @@ summary and exit code come from pipeline.sweep."""
 import signal
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from pipeline import starter
 
-from pipeline import quiet, runner, sweep
-from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, unused_custom_optim, validate
-from pipeline.keys import check_keys
+# the jobs' starter begins importing torch & co. now, while this process imports Hydra and MLflow
+if __name__ == "__main__":
+    starter.prestart_from_command(sys.argv[1:])
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from pipeline import quiet, runner, sweep  # noqa: E402
+from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, unused_custom_optim, validate  # noqa: E402
+from pipeline.keys import check_keys  # noqa: E402
 
 # `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
 GROUP_HELP = {

@@ -1,5 +1,6 @@
 """What the job starter (pipeline.starter) imports once, so that no job process imports it again: the console's
-filters first (the starter's environment carries the console's level), then the libraries and the job's own
+filters first (the starter's environment carries the console's level), then the libraries, the modelling code
+of the default model's family (BERT: MiniLM and tiny; a job of another family imports its own) and the job's own
 modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is left to the jobs that use it
 (tests/test_starter.py checks every import below)."""
 
@@ -14,6 +15,7 @@ import accelerate  # noqa: E402, F401
 import datasets  # noqa: E402, F401
 import torch  # noqa: E402, F401
 import transformers  # noqa: E402, F401
+import transformers.models.bert.modeling_bert  # noqa: E402, F401
 import transformers.trainer  # noqa: E402, F401
 
 from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401

@@ -114,15 +114,13 @@ class Failure:
 
 def job_env(cfg: DictConfig, ranks: dict) -> dict[str, str]:
     """The environment of a job's process(es), less its GPUs (the sweep's pool hands them out per job)."""
-    from pipeline import cache, placement, quiet
+    from pipeline import cache, placement, quiet, starter
 
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps; what
     # the environment sets wins
     env = {
         "TORCHINDUCTOR_CACHE_DIR": str(cache.folder(cfg.outputs_dir, "torchinductor")),
-        **quiet.job_env(quiet.log_level(cfg)),
-        **os.environ,
-        "TOKENIZERS_PARALLELISM": "false",
+        **starter.base_env(quiet.log_level(cfg)),
         **ranks,
     }
     n_jobs, nproc = cfg.launcher.n_jobs, cfg.launcher.nproc_per_job

@@ -3,7 +3,8 @@ a new interpreter. Either way each job is a process of its own, with its own exi
 
 Warm (`launcher.start_jobs=warm`, the default for the local and parallel launchers): Python's multiprocessing
 forkserver, started once per launching process with PRELOAD imported (torch, transformers, accelerate,
-datasets, the job's own modules: seconds), forks a fresh child per job (milliseconds). The child has its own
+datasets, the job's own modules: seconds), forks a fresh child per job (milliseconds). It starts as the command
+does where the command line shows a warm start (prestart_from_command), else once the config is composed. The child has its own
 allocator, peak statistics and caches, as a new interpreter would; a crash, `os._exit`, a signal or the
 out-of-memory killer ends that child alone, and the forkserver reports its exit status (negative: the signal)
 as the operating system does for a process of our own. Cold (`launcher.start_jobs=cold`): `python -m
@@ -33,7 +34,20 @@ from pathlib import Path
 MODES = ("warm", "cold")  # launcher.start_jobs
 PRELOAD = "pipeline.preload"  # the module the starter imports once (torch, transformers, ...)
 STARTER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() without the driver
-PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")  # set by each child for itself
+# set by each child for itself (torch reads its compile cache's folder only as it compiles, never at import)
+PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
+# overrides that decide whether a command's jobs start warm, or the environment they start in: a command with
+# one of them starts its starter once its config is composed (runner.prestart), not from its command line
+DECIDING = (
+    "launcher",
+    "plan",
+    "log_level",
+    "hydra/launcher",
+    "hydra.launcher",
+    "hydra.verbose",
+    "hydra.job.env_set",
+    "hydra.job.env_copy",
+)
 JOB_MODULE = "pipeline.job"  # the module whose main(job_dir) a warm child runs (bench.probe swaps it)
 
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
@@ -86,6 +100,35 @@ def prestart(env: dict) -> bool:
             forkserver.ensure_running()
         _started_with = _shared(env)
     return _shared(env) == _started_with
+
+
+def base_env(level: str) -> dict[str, str]:
+    """The environment a job process starts from at the console level `level`, before what is its own
+    (PER_JOB, a scheduler's ranks): the console's settings, this process's environment, tokenizers' threads
+    left to torch."""
+    from pipeline import quiet
+
+    return {**quiet.job_env(level), **os.environ, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def warm_from_command(args: list[str]) -> bool:
+    """Whether the command line alone shows that the command's jobs start warm, at the default console level:
+    `-m` and key=value overrides, none of them DECIDING. Any other command (a flag such as --help or --cfg, an
+    override of the launcher, plan or log_level) leaves the start to runner.prestart and the composed config."""
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    if any(a.startswith("-") or "=" not in a for a in overrides):
+        return False
+    keys = [a.split("=", 1)[0].lstrip("+~") for a in overrides]
+    return not any(k == d or k.startswith((f"{d}.", f"{d}/")) for k in keys for d in DECIDING)
+
+
+def prestart_from_command(args: list[str]) -> None:
+    """Start the starter from the command line, before the launching process imports Hydra and MLflow and
+    composes the config (half a second sooner), where warm_from_command says its jobs start warm."""
+    from pipeline import quiet
+
+    if warm_from_command(args):
+        prestart(base_env(quiet.DEFAULT))
 
 
 def die_with_parent() -> None:

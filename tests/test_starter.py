@@ -138,3 +138,36 @@ def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path)
     runs = sorted(sweep_runs(tmp_path)[1], key=lambda r: r.info.start_time)
     assert [r.data.tags["job_start"] for r in runs] == ["warm", "cold"], cold_lines(proc)
     assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+
+
+@pytest.mark.parametrize(
+    "args, early",
+    [
+        ([], True),  # the default run
+        (
+            [
+                "-m",
+                "optim=adamw,adafactor",
+                "model=tiny",
+                "seed=0,1",
+                "hydra.sweep.dir=x",
+                "+protocol=tune_lr",
+            ],
+            True,
+        ),
+        (["--help"], False),
+        (["-m", "--cfg", "job"], False),
+        (["-m", "launcher=slurm"], False),
+        (["launcher.start_jobs=cold"], False),
+        (["plan=true"], False),
+        (["-m", "log_level=warning,info"], False),
+        (["hydra.verbose=true"], False),
+        (["+hydra.job.env_set.X=1"], False),
+        (["hydra/launcher=basic"], False),
+        (["model"], False),
+    ],
+)
+def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_start(args, early):
+    """A plain command starts the starter before Hydra composes its config; a command whose overrides decide
+    how its jobs start (or whose console is not the default) waits for the composed config."""
+    assert starter.warm_from_command(args) is early
