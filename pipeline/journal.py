@@ -132,27 +132,29 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     failure = entry_["failure"]
     status = "FINISHED" if not failure else KILLED_BY.get(failure["reason"], "FAILED")
     if tracker.status(run_id) == "RUNNING":
-        stamp = entry_["end_time"]
-        # (the tags the run opened with, and those known only once the job ran: how its process started)
-        tracker.log(run_id, params=entry_["params"], tags=entry_["tags"], timestamp=stamp)
-        tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
+        # the params and tags the run opened with, and those known only once the job ran (how its process
+        # started, the result's), all in one call
+        params, tags = entry_["params"], entry_["tags"]
         if failure is None:
             result = json.loads((job_dir / RESULT_FILE).read_text())
-            tags = {**result["tags"], DESCRIPTION: run_description(result["metrics"], result["tags"])}
-            tracker.log(run_id, result["metrics"], result["series"], result["params"], tags, timestamp=stamp)
-            if result.get("datasets"):
-                tracker.log_datasets(run_id, result["datasets"])
+            metrics, series, params = result["metrics"], result["series"], {**params, **result["params"]}
+            tags = {**tags, **result["tags"], DESCRIPTION: run_description(metrics, result["tags"])}
         else:
-            text = (job_dir / ERROR_FILE).read_text()
-            summary = text.strip().splitlines()[0]
+            summary = (job_dir / ERROR_FILE).read_text().strip().splitlines()[0]
+            metrics, series = failure["metrics"], None
             tags = {
+                **tags,
                 "error": summary,
                 "failure_reason": failure["reason"],
                 DESCRIPTION: f"FAILED: {failure['reason']}: {summary}",
             }
-            tracker.log(run_id, failure["metrics"], tags=tags, timestamp=stamp)
+        tracker.log(run_id, metrics, series, params, tags, timestamp=entry_["end_time"])
+        tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
+        if failure is not None:
             tracker.log_artifact(run_id, job_dir / ERROR_FILE)
-        tracker.end(run_id, status, end_time=stamp)
+        elif result.get("datasets"):
+            tracker.log_datasets(run_id, result["datasets"])
+        tracker.end(run_id, status, end_time=entry_["end_time"])
         if entry_["replaces"] and failure is None:  # force=true: the point's earlier result has a later one
             tracker.log(entry_["replaces"], tags={"replaced_by": run_id})
     (job_dir / UNRECORDED_FILE).unlink()
