@@ -8,6 +8,7 @@ job starts; jobs find their ids in SWEEP_FILE in the sweep folder, so parallel j
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -306,6 +307,9 @@ class SweepCallback(Callback):
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
+        # what this process holds for the whole sweep (the libraries, the open store) out of the collector's
+        # sight: its collections between jobs scan what the sweep adds, not a heap that takes 0.2 s a pass
+        gc.freeze()
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
