@@ -307,6 +307,9 @@ class SweepCallback(Callback):
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
+        from pipeline.report import plots
+
+        plots.import_matplotlib()  # for the report at the end, while the jobs' starter imports its libraries
         # what this process holds for the whole sweep (the libraries, the open store) out of the collector's
         # sight: its collections between jobs scan what the sweep adds, not a heap that takes 0.2 s a pass
         gc.freeze()
