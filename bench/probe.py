@@ -43,7 +43,10 @@ def patch(owner, attr: str, name: str) -> None:
 
 
 def cli(out: Path, overrides: list[str]) -> None:
-    from pipeline import placement, runner, starter, tracking
+    from pipeline import starter
+
+    starter.prestart_from_command(overrides)  # where `python -m pipeline` does: before the imports below
+    from pipeline import placement, runner, tracking
 
     for method in ("__init__", "experiment_id", "finished_run", "start_run", "log", "log_artifact", "end"):
         patch(tracking.Tracker, method, f"mlflow.{method}")
