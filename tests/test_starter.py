@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_cli, store, sweep_runs
+from conftest import ROOT, TINY, compose_cfg, run_cli, store, sweep_runs
 
-from pipeline import starter
+from pipeline import quiet, starter
 
 # Run in a fresh interpreter: torch's CUDA entry points replaced by recorders, as a CUDA build on a machine with
 # a GPU would reach them (availability through NVML answers True, as the starter's environment makes it), then
@@ -169,5 +169,7 @@ def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path)
 )
 def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_start(args, early):
     """A plain command starts the starter before Hydra composes its config; a command whose overrides decide
-    how its jobs start (or whose console is not the default) waits for the composed config."""
+    how its jobs start (or whose console is not the default) waits for the composed config; the console
+    level it starts with is the config's default."""
     assert starter.warm_from_command(args) is early
+    assert compose_cfg().log_level == quiet.DEFAULT
