@@ -43,6 +43,7 @@ GOALS = {
     "sweep_job": 0.35,
 }
 SWEEP_JOBS = 8  # (g)
+FLOOR_READINGS = 3  # a repeat's import floor: the median of this many readings (one process start is noisy)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ def bare_loop(config: Path, work: Path, name: str, peak_tracker: bool = False) -
 
 
 def import_floor(work: Path) -> float:
-    return run([PY, "-c", "import torch, transformers, mlflow"], work / "floor.log")[0]
+    cmd = [PY, "-c", "import torch, transformers, mlflow"]
+    return statistics.median(run(cmd, work / "floor.log")[0] for _ in range(FLOOR_READINGS))
 
 
 BAD_INPUTS = {"optim=nope": ["optim=nope"], "batch_size=0": ["batch_size=0"]}
@@ -316,6 +318,8 @@ def write_results(
     out: Path, s: Settings, command: str, r: dict, started: datetime, took: float, work: Path
 ) -> None:
     jobs, bare, tracked, floors = r["jobs"], r["bare"], r["tracked"], r["floors"]
+    readings = r.get("floor_readings", 1)  # (a run measured before the median of several has one)
+    floor_readings = f"the median of {readings} readings" if readings > 1 else "one reading"
     lines = [
         "# Benchmark results: the pipeline's own cost",
         "",
@@ -418,7 +422,8 @@ def write_results(
         "the CLI opens the MLflow store), imports, loading and tokenizing (the splits and the simulated step "
         "from outputs/cache after the first job), backend setup, evaluation "
         f"({s.eval_samples} samples of the test split and {s.eval_samples} of the validation split), MLflow, teardown. Import floor = wall time of "
-        f'`python -c "import torch, transformers, mlflow"`: {cell(floors)} s. MLflow = time inside '
+        f'`python -c "import torch, transformers, mlflow"`, {floor_readings} at the start of each repeat: '
+        f"{cell(floors)} s. MLflow = time inside "
         "the pipeline's `Tracker` (its construction, which imports mlflow and opens the store, and "
         "every call). Phases from `bench/probe.py` (stopwatches around the real code), in seconds:",
         "",
@@ -547,6 +552,7 @@ def main() -> None:
     say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
     r_first = {"floor": import_floor(work), "per_job": sweep_per_job(work, "warm")}
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
+    r["floor_readings"] = FLOOR_READINGS
     r["sweep8"] = {"warm": [], "cold": []}
     r["sweep8_first"] = r_first
     r["in_sweep"] = {"trainer": [], "accelerator": []}
