@@ -48,6 +48,8 @@ DECIDING = (
     "hydra.job.env_set",
     "hydra.job.env_copy",
 )
+# overrides of DECIDING keys to what the config has by default: they leave the start from the command line be
+DEFAULTS = ("launcher=local", "launcher.start_jobs=warm", "log_level=warning")
 JOB_MODULE = "pipeline.job"  # the module whose main(job_dir) a warm child runs (bench.probe swaps it)
 
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
@@ -113,9 +115,10 @@ def base_env(level: str) -> dict[str, str]:
 
 def warm_from_command(args: list[str]) -> bool:
     """Whether the command line alone shows that the command's jobs start warm, at the default console level:
-    `-m` and key=value overrides, none of them DECIDING. Any other command (a flag such as --help or --cfg, an
-    override of the launcher, plan or log_level) leaves the start to runner.prestart and the composed config."""
-    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    `-m` and key=value overrides, none of them DECIDING but to its default. Any other command (a flag such as
+    --help or --cfg, another launcher, plan, log_level) leaves the start to runner.prestart and the composed
+    config."""
+    overrides = [a for a in args if a not in ("-m", "--multirun", *DEFAULTS)]
     if any(a.startswith("-") or "=" not in a for a in overrides):
         return False
     keys = [a.split("=", 1)[0].lstrip("+~") for a in overrides]

@@ -159,6 +159,8 @@ def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path)
         (["-m", "--cfg", "job"], False),
         (["-m", "launcher=slurm"], False),
         (["launcher.start_jobs=cold"], False),
+        (["-m", "seed=0,1", "launcher=local", "launcher.start_jobs=warm", "log_level=warning"], True),
+        (["launcher=parallel"], False),
         (["plan=true"], False),
         (["-m", "log_level=warning,info"], False),
         (["hydra.verbose=true"], False),
@@ -170,6 +172,12 @@ def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path)
 def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_start(args, early):
     """A plain command starts the starter before Hydra composes its config; a command whose overrides decide
     how its jobs start (or whose console is not the default) waits for the composed config; the console
-    level it starts with is the config's default."""
+    level it starts with, and the overrides it takes for the defaults, are the config's defaults."""
     assert starter.warm_from_command(args) is early
-    assert compose_cfg().log_level == quiet.DEFAULT
+    cfg = compose_cfg()
+    assert quiet.DEFAULT == cfg.log_level
+    assert starter.DEFAULTS == (
+        f"launcher={cfg.launcher.name}",
+        f"launcher.start_jobs={cfg.launcher.start_jobs}",
+        f"log_level={cfg.log_level}",
+    )
