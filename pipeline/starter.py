@@ -4,12 +4,12 @@ a new interpreter. Either way each job is a process of its own, with its own exi
 Warm (`launcher.start_jobs=warm`, the default for the local and parallel launchers): Python's multiprocessing
 forkserver, started once per launching process with PRELOAD imported (torch, transformers, accelerate,
 datasets, the job's own modules: seconds), forks a fresh child per job (milliseconds). It starts as the command
-does where the command line shows a warm start (prestart_from_command), else once the config is composed. The child has its own
-allocator, peak statistics and caches, as a new interpreter would; a crash, `os._exit`, a signal or the
-out-of-memory killer ends that child alone, and the forkserver reports its exit status (negative: the signal)
-as the operating system does for a process of our own. Cold (`launcher.start_jobs=cold`): `python -m
-pipeline.job JOB_DIR` in a new interpreter. A job of several ranks (torchrun) and a job that a scheduler
-starts (submitit: SLURM or its local executor) always start cold.
+does where the command line shows a warm start (prestart_from_command), else once the config is composed. The
+child has its own allocator, peak statistics and caches, as a new interpreter would; a crash, `os._exit`, a
+signal or the out-of-memory killer ends that child alone, and the forkserver reports its exit status
+(negative: the signal) as the operating system does for a process of our own. Cold
+(`launcher.start_jobs=cold`): `python -m pipeline.job JOB_DIR` in a new interpreter. A job of several ranks
+(torchrun) and a job that a scheduler starts (submitit: SLURM or its local executor) always start cold.
 
 CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD imports only modules whose import
 leaves the driver alone (bitsandbytes' import reads every device's compute capability: the job imports it);
