@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import getpass
-import itertools
 import json
 import os
 import time
@@ -20,8 +19,6 @@ from urllib.parse import urlencode, urlparse
 
 from omegaconf import DictConfig
 
-# MLflow's log_batch limits: metrics, params and tags in one call together, params alone, tags alone
-_MAX_ENTITIES, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
 _MAX_TAG_CHARS = 8000
 # MLflow 3's UI: the experiment kind its "Machine learning" (model training) mode stands for, the URL
 # parameter that opens that mode (a fresh browser defaults to GenAI), a run's description, and a saved view of
@@ -239,11 +236,6 @@ def login_name() -> str:
         return "unknown"
 
 
-def _chunks(items: list, size: int):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
 class Tracker:
     """One MLflow client on one store; a local (sqlite) store keeps its artifacts under outputs_dir/mlartifacts."""
 
@@ -363,15 +355,8 @@ class Tracker:
             rows += [Metric(key, float(v), now, int(step)) for step, v in steps]
         params = [Param(k, str(v)) for k, v in (params or {}).items()]
         tags = [RunTag(k, str(v)[:_MAX_TAG_CHARS]) for k, v in (tags or {}).items()]
-        # each call: up to 800 metrics beside up to 100 params and 100 tags
-        batches = itertools.zip_longest(
-            _chunks(rows, _MAX_ENTITIES - _MAX_PARAMS - _MAX_TAGS),
-            _chunks(params, _MAX_PARAMS),
-            _chunks(tags, _MAX_TAGS),
-            fillvalue=[],
-        )
-        for metrics_, params_, tags_ in batches:
-            self.client.log_batch(run_id, metrics=metrics_, params=params_, tags=tags_)
+        # MLflow's client packs them into as few store calls as its limits allow
+        self.client.log_batch(run_id, metrics=rows, params=params, tags=tags)
 
     def log_datasets(self, run_id: str, datasets: list[dict]) -> None:
         """Each dataset as one MLflow dataset input: name, digest, source, schema and row count (`profile`),
