@@ -25,6 +25,7 @@ from tests.conftest import (
     store,
     sweep_runs,
 )
+from tests.pool_holder import hold_a_gpu
 from tests.test_failures import job_processes, running, start_sweep
 from tests.test_sweep import METRICS
 
@@ -37,19 +38,11 @@ FOUR_POINTS = ["-m", "optim=adamw,adafactor", "backend=trainer,accelerator", *TI
 # ---- GPU pool and CPU split ------------------------------------------------------------------------------
 
 
-def _hold_a_gpu(folder, devices, log, hold_s):
-    with GpuPool(folder, devices).take(1) as (device,):
-        start = time.time()
-        time.sleep(hold_s)
-        with open(log, "a") as file:
-            file.write(json.dumps([device, start, time.time()]) + "\n")
-
-
 def test_gpu_pool_never_shares_a_device_and_reuses_a_finished_ones(tmp_path):
     """Five runner processes, two devices: at most one holder per device at any time, every device reused."""
     log = tmp_path / "held.jsonl"
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=_hold_a_gpu, args=(tmp_path, ["0", "1"], log, 0.5)) for _ in range(5)]
+    workers = [ctx.Process(target=hold_a_gpu, args=(tmp_path, ["0", "1"], log, 0.5)) for _ in range(5)]
     for w in workers:
         w.start()
     for w in workers:
