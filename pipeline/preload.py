@@ -6,9 +6,8 @@ modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is l
 
 import gc
 
-from pipeline import quiet, starter
+from pipeline import quiet
 
-starter.die_with_parent()  # the starter ends with the process it serves (its jobs then end with it)
 quiet.install()
 
 import accelerate  # noqa: E402, F401

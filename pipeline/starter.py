@@ -1,15 +1,22 @@
 """How a job's process starts: warm, forked from a starter that has imported the heavy libraries once, or cold,
 a new interpreter. Either way each job is a process of its own, with its own exit status.
 
-Warm (`launcher.start_jobs=warm`, the default for the local and parallel launchers): Python's multiprocessing
-forkserver, started once per launching process with PRELOAD imported (torch, transformers, accelerate,
-datasets, the job's own modules: seconds), forks a fresh child per job (milliseconds). It starts as the command
-does where the command line shows a warm start (prestart_from_command), else once the config is composed. The
-child has its own allocator, peak statistics and caches, as a new interpreter would; a crash, `os._exit`, a
-signal or the out-of-memory killer ends that child alone, and the forkserver reports its exit status
-(negative: the signal) as the operating system does for a process of our own. Cold
-(`launcher.start_jobs=cold`): `python -m pipeline.job JOB_DIR` in a new interpreter. A job of several ranks
-(torchrun) and a job that a scheduler starts (submitit: SLURM or its local executor) always start cold.
+Warm (`launcher.start_jobs=warm`, the default for the local and parallel launchers): a starter process
+(`python -m pipeline.starter`) imports PRELOAD once (torch, transformers, accelerate, datasets, the job's own
+modules: seconds), then forks a fresh child per job (milliseconds). It starts as the command does where the
+command line shows a warm start (prestart_from_command), else once the config is composed. The child has its
+own allocator, peak statistics and caches, as a new interpreter would, and the command's console (its stdin,
+stdout and stderr), folder and environment; a crash, `os._exit`, a signal or the out-of-memory killer ends that
+child alone, and the starter reports its exit status (negative: the signal) as the operating system does for a
+process of our own. Cold (`launcher.start_jobs=cold`): `python -m pipeline.job JOB_DIR` in a new interpreter. A
+job of several ranks (torchrun) and a job that a scheduler starts (submitit: SLURM or its local executor)
+always start cold.
+
+A starter serves every command of the same user, interpreter, folder, environment, pipeline source and
+installed libraries (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
+$PIPELINE_STARTER_KEEP_S seconds more (KEEP_ENV; default 0: it ends with the last command it served). Kept, the
+next command's jobs start without waiting for the imports. A command killed outright (SIGKILL) takes its
+running job with it: the starter kills the job whose command's connection closed.
 
 CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD imports only modules whose import
 leaves the driver alone (bitsandbytes' import reads every device's compute capability: the job imports it);
@@ -24,11 +31,17 @@ hub's offline switches): a job whose environment differs in more than PER_JOB (a
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import hashlib
+import json
 import os
+import pickle
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 MODES = ("warm", "cold")  # launcher.start_jobs
@@ -52,7 +65,14 @@ DECIDING = (
 DEFAULTS = ("launcher=local", "launcher.start_jobs=warm", "log_level=warning")
 JOB_MODULE = "pipeline.job"  # the module whose main(job_dir) a warm child runs (bench.probe swaps it)
 
+KEEP_ENV = "PIPELINE_STARTER_KEEP_S"  # seconds a starter waits for another command once its last one ended
+ADDRESS_DIR = f"optimizer-sweep-starters-{os.getuid()}"  # in the temporary folder: sockets and logs
+CONNECT_WAIT_S = 30  # how long a job waits for a starter just started to listen
+STATUS = struct.Struct("q")  # a job's pid, then its exit status, as the starter sends them
+
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
+_address: str | None = None  # where that starter listens
+_holds: list = []  # what keeps it running while this process runs: a connection, and the pipe to one it started
 
 
 def _shared(env: dict) -> dict:
@@ -63,45 +83,104 @@ def _shared(env: dict) -> dict:
     return {k: v for k, v in env.items() if k not in PER_JOB and not k.startswith(("MLFLOW_", "_MLFLOW_"))}
 
 
-@contextlib.contextmanager
-def _environ(env: dict):
-    """os.environ is `env` for the block (the forkserver inherits the environment it is started in)."""
-    saved = dict(os.environ)
-    for key in set(saved) - set(env):
-        del os.environ[key]
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update(saved)
-
-
-@contextlib.contextmanager
-def _start_method(method: str):
-    """This process's default start method is `method` for the block: a new process is prepared with the
-    default's name, which must exist in the child (a joblib worker's own, "loky", does not there)."""
-    saved = multiprocessing.get_start_method(allow_none=True)
-    multiprocessing.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        multiprocessing.set_start_method(saved, force=True)
-
-
 def prestart(env: dict) -> bool:
-    """Start this process's starter with `env` unless it runs already: it imports PRELOAD in the background,
-    while this process goes on (opens the MLflow store). Whether a job of this environment can start warm."""
-    global _started_with
+    """Find this process's starter for `env`, or start one with `env` (it imports PRELOAD in the background,
+    while this process goes on: opens the MLflow store), unless done already. Whether a job of this
+    environment can start warm."""
+    global _started_with, _address
     if _started_with is None:
-        from multiprocessing import forkserver
-
-        forkserver.set_forkserver_preload([PRELOAD])
-        with _environ({**env, **STARTER_ENV}):
-            forkserver.ensure_running()
         _started_with = _shared(env)
-    return _shared(env) == _started_with
+        try:
+            keep_seconds(env)
+        except ValueError as err:
+            print(f"[job] {err}: the job starter ends with the command", file=sys.stderr)
+        try:
+            _address = address(env)
+            if not _hold():
+                _start(env)
+        except OSError as err:  # no private folder for its socket, or no process: jobs start cold
+            _address = None
+            print(f"[job] no job starter ({err}): jobs start cold", file=sys.stderr)
+    return _address is not None and _shared(env) == _started_with
+
+
+def address(env: dict) -> str:
+    """The socket of the starter for jobs of `env` started from this process: one per user (a private folder),
+    interpreter, folder, environment (less PER_JOB), pipeline source, installed libraries and CPU set."""
+    from pipeline import cache
+
+    stamp = [
+        sys.executable,
+        os.getcwd(),
+        sorted(_shared(env).items()),
+        cache.code_digest(),
+        [(p, os.stat(p).st_mtime_ns) for p in sys.path if os.path.isdir(p)],  # an install changes them
+        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    ]
+    folder = Path(tempfile.gettempdir()) / ADDRESS_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} is not this user's alone")
+    return str(folder / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24])
+
+
+def keep_seconds(env: dict) -> float:
+    """$PIPELINE_STARTER_KEEP_S of `env`: seconds >= 0 (unset or empty: 0)."""
+    text = env.get(KEEP_ENV) or "0"
+    try:
+        keep = float(text)
+    except ValueError:
+        keep = -1
+    if not keep >= 0:
+        raise ValueError(f"{KEEP_ENV}={text} is invalid: a number of seconds >= 0 (0: the job starter ends with "
+                         "the last command it served)")  # fmt: skip
+    return keep
+
+
+def _connect(path: str, wait_s: float = 0) -> socket.socket:
+    """A connection to the starter at `path`, waiting up to `wait_s` for one just started to listen."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path + ".sock")
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _hold() -> bool:
+    """Keep the starter at _address running while this process runs (a connection it closes as it ends)."""
+    try:
+        sock = _connect(_address)
+        sock.send(b"hold")
+    except OSError:
+        return False
+    _holds.append(sock)
+    return True
+
+
+def _start(env: dict) -> None:
+    """Start a starter for `env` at _address, held by a pipe this process keeps open to its end."""
+    alive_r, alive_w = os.pipe()
+    with open(_address + ".log", "ab") as log:  # what the starter says: an import that failed
+        _holds.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pipeline.starter", _address, str(alive_r)],
+                env={**env, **STARTER_ENV},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(alive_r,),
+                start_new_session=True,  # no Ctrl-C of this terminal: it outlives this command when kept
+            )
+        )
+    os.close(alive_r)
+    _holds.append(alive_w)
 
 
 def base_env(level: str) -> dict[str, str]:
@@ -155,9 +234,7 @@ def _child(job_dir: str, env: dict, module: str) -> None:
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
-    # the start method a new interpreter has (the forkserver's children inherit "forkserver", under which
-    # tqdm's lock would register its semaphore with the launching process's resource tracker)
-    multiprocessing.set_start_method(None, force=True)
+    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as a new interpreter on the command's stdout would
     import importlib
 
     import torch
@@ -196,25 +273,195 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
     this environment, else `command` in a new interpreter. (Its exit status, negative: killed by that signal;
     how it started: `warm` or `cold`.)"""
     if warm and not prestart(env):
-        mine = _shared(env)
-        differ = sorted(k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k))
-        print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
-              f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
+        if _address is not None:
+            mine = _shared(env)
+            differ = sorted(k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k))
+            print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
+                  f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
     elif warm:
-        ctx = multiprocessing.get_context("forkserver")
-        proc = ctx.Process(target=_child, args=(str(job_dir), env, JOB_MODULE), name=f"job {job_dir.name}")
         try:
-            with _start_method("forkserver"):
-                proc.start()
-        except (OSError, EOFError) as err:  # the starter died (an import of PRELOAD failed): start cold
-            print(f"[job] {job_dir.name}: the job starter is gone ({err!r}): starting cold", file=sys.stderr)
+            pid, sock = _fork(job_dir, env)
+        except OSError as err:  # the starter died (an import of PRELOAD failed): start cold
+            print(f"[job] {job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
+                  "starting cold", file=sys.stderr)  # fmt: skip
         else:
-
-            def exit_status() -> int:
-                proc.join()
-                return proc.exitcode
-
-            return _wait(proc.pid, exit_status), "warm"
+            with sock:
+                return _wait(pid, lambda: _exit_status(sock)), "warm"
     # its own session: a kill reaches torchrun's ranks too, not only torchrun
     popen = subprocess.Popen(command, env=env, start_new_session=True)
     return _wait(popen.pid, popen.wait), "cold"
+
+
+def _fork(job_dir: Path, env: dict) -> tuple[int, socket.socket]:
+    """Ask the starter for a job process on this process's console and in its folder: (its pid, the
+    connection its exit status comes back on)."""
+    if not any(isinstance(h, socket.socket) for h in _holds):
+        _holds.append(_connect(_address, CONNECT_WAIT_S))  # a starter this process started: now it listens
+        _holds[-1].send(b"hold")
+    sock = _connect(_address, CONNECT_WAIT_S)
+    try:
+        request = pickle.dumps((str(job_dir), env, JOB_MODULE, os.getcwd()))
+        socket.send_fds(sock, [request], [_console_fd(fd) for fd in (0, 1, 2)])
+        reply = sock.recv(STATUS.size)  # once the starter has imported PRELOAD and forked
+        if len(reply) != STATUS.size:
+            raise EOFError("the job starter ended before it started the job")
+    except BaseException:
+        sock.close()
+        raise
+    return STATUS.unpack(reply)[0], sock
+
+
+def _console_fd(fd: int) -> int:
+    """`fd` if open, else /dev/null in its place (a command started with its stdin closed)."""
+    try:
+        os.fstat(fd)
+        return fd
+    except OSError:
+        return os.open(os.devnull, os.O_RDWR)
+
+
+def _exit_status(sock: socket.socket) -> int:
+    """The job's exit status, as its starter reports it (a starter killed meanwhile killed its jobs too)."""
+    reply = sock.recv(STATUS.size)
+    return STATUS.unpack(reply)[0] if len(reply) == STATUS.size else -signal.SIGKILL
+
+
+def serve(path: str, alive_fd: int) -> None:
+    """The starter (`python -m pipeline.starter PATH ALIVE_FD`): import PRELOAD, then fork a child per job
+    request on PATH.sock until no command holds it (the pipe ALIVE_FD from the command that started it, a
+    connection from each other one) nor runs a job, for KEEP_ENV seconds."""
+    import fcntl
+    import importlib
+    import selectors
+
+    try:
+        keep = keep_seconds(os.environ)
+    except ValueError:  # the command that started it said so
+        keep = 0
+    lock = open(path + ".lock", "w")  # noqa: SIM115  one starter per address; held to this process's end
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:  # another starter serves PATH, or is ending (its socket gone already)
+            if os.path.exists(path + ".sock") or time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + ".sock")  # left by a starter that was killed
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path + ".sock")
+    listener.listen(64)
+    try:
+        importlib.import_module(PRELOAD)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # its wakeup byte: a job ended
+        events = selectors.DefaultSelector()
+        events.register(listener, selectors.EVENT_READ, "accept")
+        events.register(wake_r, selectors.EVENT_READ, "ended")
+        events.register(alive_fd, selectors.EVENT_READ, "hold")
+        holds, jobs, idle_since = 1, {}, None
+        own = [lock, wake_r, wake_w]  # what a job process closes, with every registered connection
+        while True:
+            if holds or jobs:
+                idle_since, timeout = None, None
+            else:
+                idle_since = idle_since or time.monotonic()
+                timeout = idle_since + keep - time.monotonic()
+                if timeout <= 0:
+                    break
+            for key, _ in events.select(timeout):
+                if key.data == "accept":
+                    conn, _ = listener.accept()
+                    try:
+                        request, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                    except OSError:
+                        conn.close()
+                        continue
+                    if request == b"hold":
+                        holds += 1
+                        events.register(conn, selectors.EVENT_READ, "hold")
+                    elif len(fds) == 3:
+                        closing = [*own, conn, *(k.fileobj for k in events.get_map().values())]
+                        pid = _serve_one(pickle.loads(request), fds, closing)
+                        for fd in fds:
+                            os.close(fd)
+                        with contextlib.suppress(OSError):
+                            conn.send(STATUS.pack(pid))
+                        jobs[pid] = conn
+                        events.register(conn, selectors.EVENT_READ, pid)
+                    else:
+                        conn.close()
+                elif key.data == "hold":  # a command ended
+                    holds -= 1
+                    _close(events, key.fileobj)
+                elif key.data == "ended":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake_r, 4096)
+                    _reap(events, jobs)
+                else:  # the command of a running job ended (killed outright): the job with it
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(key.data, signal.SIGKILL)
+                    events.unregister(key.fileobj)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".sock")  # before the lock goes with this process: the next starter waits for it
+        listener.close()
+
+
+def _serve_one(request: tuple, fds: list[int], closing: list) -> int:
+    """Fork a job process: the command's console on 0, 1, 2, its folder, then _child. Its pid."""
+    job_dir, env, module, cwd = request
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        closed = set()
+        for obj in closing:  # the starter's own files and sockets (each once)
+            fd = obj if isinstance(obj, int) else obj.fileno()
+            if fd >= 0 and fd not in closed:
+                closed.add(fd)
+                obj.close() if hasattr(obj, "close") else os.close(obj)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(cwd)
+    except BaseException:
+        os._exit(1)
+    _child(job_dir, env, module)  # never returns
+
+
+def _reap(events, jobs: dict) -> None:
+    """Send each ended job's exit status to its command."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        conn = jobs.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(STATUS.pack(os.waitstatus_to_exitcode(status)))
+            _close(events, conn)
+
+
+def _close(events, obj) -> None:
+    with contextlib.suppress(KeyError, ValueError):
+        events.unregister(obj)
+    obj.close() if hasattr(obj, "close") else os.close(obj)
+
+
+if __name__ == "__main__":  # the module the jobs share, not this __main__ copy of it
+    from pipeline.starter import serve as _serve
+
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -20,6 +20,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # entry stand for other inputs): the packaged data is read and split once, not once per test. The tests of the
 # caches themselves use their own (tests/test_cache.py, tests/test_starter.py).
 os.environ.setdefault("PIPELINE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "optimizer-sweep-tests-cache"))
+# The commands of the suite with the same environment share one job starter (pipeline.starter), kept between
+# them: a command's jobs start without importing torch & co. again. Two minutes after the suite's last
+# command it ends. (Tests that look for a job process under its sweep's start a starter of their own.)
+os.environ.setdefault("PIPELINE_STARTER_KEEP_S", "120")
 
 
 def pytest_configure(config):
@@ -76,9 +80,16 @@ def compose_cfg(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def cli_env() -> dict[str, str]:
+    """The environment the suite's commands start in: this process's, less the tracking URI (each test names
+    its store) and pytest's name of the running test (no command reads it, and commands share a job starter
+    only where their environments are the same: pipeline.starter)."""
+    return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTEST_CURRENT_TEST")}
+
+
 def run_cli(tmp_path: Path, *args: str, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """The real CLI, with its outputs and MLflow store under tmp_path (`env`: variables to set for it)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **(env or {})}
+    env = {**cli_env(), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args, f"outputs_dir={tmp_path}"],
         cwd=ROOT,

@@ -4,7 +4,6 @@ reads right, and every optimizer setting is shown and has the same effect on bot
 
 import inspect
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pipeline.job import short_mb
 from pipeline.memory import MemoryBudgetExceeded, optimizer_state_size
 from pipeline.report import runs as runs_of_store
 from pipeline.tracking import Tracker
-from tests.conftest import CONF, ROOT, TINY, compose_cfg, report_folder, run_cli, store, sweep_runs
+from tests.conftest import CONF, ROOT, TINY, cli_env, compose_cfg, report_folder, run_cli, store, sweep_runs
 from tests.test_memory import one_step
 from tests.test_optimizers import trainer_optimizer
 
@@ -402,7 +401,7 @@ def test_the_estimate_follows_a_setting_that_changes_the_state(optim, changes):
 
 def merged_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     """The real CLI with stdout and stderr in one stream, unbuffered: what a terminal shows, in order."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = cli_env()
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args, f"outputs_dir={tmp_path}"],
@@ -473,7 +472,7 @@ def test_reruns_still_recognise_points_recorded_before_the_settings_were_shown(t
 
 def report_cli(*args: str) -> subprocess.CompletedProcess:
     """The real `python -m pipeline.report`, from the repository root, with no store in the environment."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = cli_env()
     return subprocess.run(
         [sys.executable, "-m", "pipeline.report", *args],
         cwd=ROOT,

@@ -12,8 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pipeline import starter
 from pipeline.optimizers import REGISTRY
-from tests.conftest import ROOT, TINY, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, cli_env, run_cli, store, sweep_runs
 
 
 def names(group: str) -> str:
@@ -122,7 +123,8 @@ def test_out_of_memory_is_a_result(tmp_path):
 
 
 def start_sweep(tmp_path, *args):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = cli_env()
+    env[starter.KEEP_ENV] = "0"  # a job starter of its own, in the sweep's tree with its jobs
     cmd = [sys.executable, "-m", "pipeline", "-m", *args, f"outputs_dir={tmp_path}"]
     # SIGINT at its default even when the tests run in the background (`pytest &` starts with it ignored, and a
     # Python started with SIGINT ignored never turns it into KeyboardInterrupt)
@@ -155,7 +157,7 @@ def job_processes(root: int) -> list[int]:
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
-        starter = "multiprocessing.forkserver" in command_line(pid)
+        starter = "-m pipeline.starter" in command_line(pid)
         for child in children(pid):
             if starter or "-m pipeline.job" in command_line(child):
                 found.append(child)

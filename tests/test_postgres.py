@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 
 from bench import server_load
 from tests import services
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, cli_env
 from tests.test_store import SHORT_RETRIES
 
 ADMIN = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": services.ADMIN_PASSWORD}
@@ -27,7 +27,7 @@ def test_a_sweep_into_postgres_loses_nothing_when_the_server_restarts_mid_sweep(
     out = tmp_path / "sweep"
     try:
         env = {
-            **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+            **cli_env(),
             **SHORT_RETRIES,
             **ADMIN,
         }

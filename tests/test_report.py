@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from pipeline import report
 from pipeline.sweep import SweepCallback
-from tests.conftest import ROOT, TINY, report_folder, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, cli_env, report_folder, run_cli, store, sweep_runs
 
 # 2 optimizers x 2 batch sizes x 2 seeds; data=csv without its files adds 8 points that fail at validation,
 # before any job process starts (no cost), for the failed-jobs table
@@ -225,7 +225,7 @@ def test_selecting_by_name_or_whole_experiment_gives_the_same_table(sweep, table
 
 
 def _report_cli(*args, cwd=ROOT, env=None):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | (env or {})
+    env = cli_env() | (env or {})
     return subprocess.run(
         [sys.executable, "-m", "pipeline.report", *args], cwd=cwd, env=env, capture_output=True, text=True
     )

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from pipeline.journal import RECORD_KEY
 from pipeline.tracking import StoreError, Tracker
-from tests.conftest import ROOT, TINY, free_port, run_cli, start_mlflow_server, stop_mlflow_server
+from tests.conftest import ROOT, TINY, cli_env, free_port, run_cli, start_mlflow_server, stop_mlflow_server
 
 PLAN = ["model=tiny", "plan=true"]  # a job that trains nothing: shapes only, in the launching process
 N_SWEEPS = 4
@@ -32,7 +32,7 @@ N_SWEEPS = 4
 def test_sweeps_started_at_once_on_a_fresh_store_all_finish(tmp_path):
     """N sweeps, one outputs folder, one new sqlite store, started together: each takes the lock beside the
     database in turn while MLflow creates the schema and the experiment, and its own sweep folder."""
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = cli_env()
     sweeps = [
         subprocess.Popen(
             [
@@ -381,7 +381,7 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
         # the server goes away while the first job trains and comes back after the sweep has ended; the sweep
         # is in a folder of its own (hydra.sweep.dir), outside outputs_dir
         out, sweep_dir = tmp_path / "outage", tmp_path / "elsewhere" / "outage"
-        env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, **SHORT_RETRIES}
+        env = {**cli_env(), **SHORT_RETRIES}
         cmd = [sys.executable, "-m", "pipeline", *THREE_POINTS, *on_server, "tracking.experiment=outage"]
         cmd += [f"hydra.sweep.dir={sweep_dir}"]
         with open(tmp_path / "sweep.out", "w") as stdout, open(tmp_path / "sweep.err", "w") as stderr:
