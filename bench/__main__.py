@@ -1,7 +1,8 @@
 """`python -m bench [--full]`: the pipeline's own cost, measured side by side, written to bench/RESULTS.md.
 
 (a) steady-state step time of a pipeline job (both backends) against a bare PyTorch loop (bench/bare_loop.py)
-(b) fixed overhead of one job against the import floor `python -c "import torch, transformers, mlflow"`
+(b) fixed overhead of one job against the import floor `python -c "import torch, transformers, mlflow"`, also with
+    the job starter kept from the command before, and of a job inside a sweep
 (c) time in MLflow calls as a share of the job's wall time
 (d) time from command to error for bad input
 (e) throughput of 4 tiny jobs, 2 at a time against one at a time
@@ -27,13 +28,16 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from pipeline import starter
+
 # (e) the parallel launcher: overrides that make a `-m` sweep run 2 jobs at a time (each job then gets
 # cores / 2 torch threads); an empty string (or a sweep that fails) leaves (e) as "not measured"
 PARALLEL_OVERRIDES = "launcher=parallel launcher.n_jobs=2"
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}  # as the runner sets it for every job
+# as the runner sets it for every job; each command's starter ends with it, but where a row keeps it
+ENV = {**{k: v for k, v in os.environ.items() if k != starter.KEEP_ENV}, "TOKENIZERS_PARALLELISM": "false"}
 GOALS = {
     "step": 1.03,
     "overhead": 1.0,
@@ -91,12 +95,16 @@ def job_overrides(s: Settings, backend: str, seed: int, work: Path, name: str) -
     ]
 
 
-def pipeline_job(s: Settings, backend: str, seed: int, work: Path) -> dict:
-    """One job through the real CLI (with bench.probe's stopwatches): its result and phase times."""
+KEEP_S = 900  # (b) with the starter kept: how long it waits for the next command (more than a repeat takes)
+
+
+def pipeline_job(s: Settings, backend: str, seed: int, work: Path, kept: bool = False) -> dict:
+    """One job through the real CLI (with bench.probe's stopwatches): its result and phase times. `kept`: with
+    the job starter kept between commands ($PIPELINE_STARTER_KEEP_S), found running from the one before."""
     name = f"{backend}-{seed}"
     phases = work / f"{name}.cli.json"
     cmd = [PY, "-m", "bench.probe", "cli", str(phases), *job_overrides(s, backend, seed, work, name)]
-    wall, _ = run(cmd, work / f"{name}.log")
+    wall, _ = run(cmd, work / f"{name}.log", env={starter.KEEP_ENV: str(KEEP_S)} if kept else None)
     job_dir = work / "runs" / name
     metrics = json.loads((job_dir / "result.json").read_text())["metrics"]
     return {
@@ -349,6 +357,13 @@ def write_results(
             f"| (b) fixed overhead of one job, `backend={backend}` / import floor | {cell(ratios)} | "
             f"{verdict(statistics.median(ratios), GOALS['overhead'])} |"
         )
+    for backend, values in r.get("kept", {}).items():
+        ratios = [v / f for v, f in zip(values, floors, strict=True)]
+        lines.append(
+            f"| (b) fixed overhead of one job, the job starter kept from the command before "
+            f"(`{starter.KEEP_ENV}={KEEP_S}`), `backend={backend}` / import floor | {cell(ratios)} | "
+            f"{verdict(statistics.median(ratios), GOALS['overhead'])} |"
+        )
     for backend, values in r["in_sweep"].items():
         ratios = [v / f for v, f in zip(values, floors, strict=True)]
         lines.append(
@@ -447,6 +462,18 @@ def write_results(
         "| --- |" + " --- |" * len(r["in_sweep"]),
         f"| **fixed overhead of a job inside a sweep** | {in_sweep} |",
     ]
+    if r.get("kept"):
+        kept = " | ".join(cell(values, "{:.2f}") for values in r["kept"].values())
+        lines += [
+            "",
+            f"The same single job with `{starter.KEEP_ENV}={KEEP_S}` (other seeds): the job starter kept from "
+            "the command before with the same environment (a command the bench ran first), so the job's process "
+            "is forked at once; the CLI's own start, MLflow's import and its store remain (seconds):",
+            "",
+            "| | " + " | ".join(f"`backend={b}`" for b in r["kept"]) + " |",
+            "| --- |" + " --- |" * len(r["kept"]),
+            f"| **fixed overhead of one job, the starter kept** | {kept} |",
+        ]
 
     lines += [
         "",
@@ -547,6 +574,8 @@ def main() -> None:
     say(f"work files in {work}")
     # not measured: creates the MLflow store and the CPU peak-FLOP/s cache, warms the file cache
     pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
+    # not measured: starts the starter that the kept rows of (b) find running (it ends KEEP_S after the last)
+    pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_001, work, kept=True)
     # (g) the first run of the 8-job sweep: it tokenizes the tiny model's splits and simulates its 8 batch
     # shapes; every later one finds them in the caches, as any rerun or later seed of a shape does
     say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
@@ -556,11 +585,13 @@ def main() -> None:
     r["sweep8"] = {"warm": [], "cold": []}
     r["sweep8_first"] = r_first
     r["in_sweep"] = {"trainer": [], "accelerator": []}
+    r["kept"] = {"trainer": [], "accelerator": []}
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
         r["floors"].append(import_floor(work))
         for backend in ("trainer", "accelerator")[:: 1 if rep % 2 == 0 else -1]:
             r["jobs"][backend].append(pipeline_job(s, backend, rep, work))
+            r["kept"][backend].append(overhead_s(pipeline_job(s, backend, 100 + rep, work, kept=True)))
             r["in_sweep"][backend].append(statistics.median(sweep_overheads(s, backend, rep, work)))
         config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
