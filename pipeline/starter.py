@@ -295,10 +295,13 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
 def _fork(job_dir: Path, env: dict) -> tuple[int, socket.socket]:
     """Ask the starter for a job process on this process's console and in its folder: (its pid, the
     connection its exit status comes back on)."""
+    try:
+        sock = _connect(_address, 5)  # a starter just started listens within a second
+    except (FileNotFoundError, ConnectionRefusedError):  # it ended as this command began: a new one
+        _start(env)
+        sock = _connect(_address, CONNECT_WAIT_S)
     if not any(isinstance(h, socket.socket) for h in _holds):
-        _holds.append(_connect(_address, CONNECT_WAIT_S))  # a starter this process started: now it listens
-        _holds[-1].send(b"hold")
-    sock = _connect(_address, CONNECT_WAIT_S)
+        _hold()  # held by a connection too (one this process started may have found another serving)
     try:
         request = pickle.dumps((str(job_dir), env, JOB_MODULE, os.getcwd()))
         socket.send_fds(sock, [request], [_console_fd(fd) for fd in (0, 1, 2)])
@@ -338,11 +341,10 @@ def serve(path: str, alive_fd: int) -> None:
         keep = keep_seconds(os.environ)
     except ValueError:  # the command that started it said so
         keep = 0
-    lock = open(path + ".lock", "w")  # noqa: SIM115  one starter per address; held to this process's end
     deadline = time.monotonic() + 5
-    while True:
+    while True:  # one starter per address: the lock on its log, this process's stderr, held to its end
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(2, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:  # another starter serves PATH, or is ending (its socket gone already)
             if os.path.exists(path + ".sock") or time.monotonic() > deadline:
@@ -353,6 +355,8 @@ def serve(path: str, alive_fd: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".sock")
     listener.listen(64)
+    bound = os.stat(path + ".sock").st_ino
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `pkill -f pipeline.starter`: the same clean end
     try:
         importlib.import_module(PRELOAD)
         wake_r, wake_w = os.pipe()
@@ -365,7 +369,7 @@ def serve(path: str, alive_fd: int) -> None:
         events.register(wake_r, selectors.EVENT_READ, "ended")
         events.register(alive_fd, selectors.EVENT_READ, "hold")
         holds, jobs, idle_since = 1, {}, None
-        own = [lock, wake_r, wake_w]  # what a job process closes, with every registered connection
+        own = [wake_r, wake_w]  # what a job process closes, with every registered connection
         while True:
             if holds or jobs:
                 idle_since, timeout = None, None
@@ -408,9 +412,13 @@ def serve(path: str, alive_fd: int) -> None:
                         os.killpg(key.data, signal.SIGKILL)
                     events.unregister(key.fileobj)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path + ".sock")  # before the lock goes with this process: the next starter waits for it
+        with contextlib.suppress(OSError):  # before the lock goes with this process: the next starter waits
+            if os.stat(path + ".sock").st_ino == bound:
+                os.unlink(path + ".sock")
         listener.close()
+        with contextlib.suppress(OSError):
+            if not os.fstat(2).st_size:
+                os.unlink(path + ".log")  # nothing said
 
 
 def _serve_one(request: tuple, fds: list[int], closing: list) -> int:
@@ -422,6 +430,7 @@ def _serve_one(request: tuple, fds: list[int], closing: list) -> int:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         closed = set()
         for obj in closing:  # the starter's own files and sockets (each once)
             fd = obj if isinstance(obj, int) else obj.fileno()

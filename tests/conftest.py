@@ -1,10 +1,13 @@
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,8 @@ os.environ.setdefault("PIPELINE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "o
 # them: a command's jobs start without importing torch & co. again. Two minutes after the suite's last
 # command it ends. (Tests that look for a job process under its sweep's start a starter of their own.)
 os.environ.setdefault("PIPELINE_STARTER_KEEP_S", "120")
+# ... unless the suite ends first: its tag, in every command's environment, names the starters it ends then.
+os.environ.setdefault("PIPELINE_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 
 def pytest_configure(config):
@@ -33,6 +38,19 @@ def pytest_configure(config):
     if not selects_gpu_tests(config.option.markexpr):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     own_cores(os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def pytest_unconfigure(config):
+    """The job starters the suite kept end with it (the controller's, once every worker is done)."""
+    if hasattr(config, "workerinput"):
+        return
+    tag = f"PIPELINE_TEST_SESSION={os.environ['PIPELINE_TEST_SESSION']}".encode()
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(ValueError, OSError):
+            if b"pipeline.starter" in (entry / "cmdline").read_bytes() and tag in (
+                (entry / "environ").read_bytes().split(b"\0")
+            ):
+                os.kill(int(entry.name), signal.SIGTERM)
 
 
 def pytest_collection_modifyitems(config, items):

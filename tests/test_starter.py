@@ -2,11 +2,15 @@
 the starter never touches CUDA, and both ways record the same figures, from the caches or without them."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, compose_cfg, run_cli, store, sweep_runs
+from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, store, sweep_runs
 
 from pipeline import quiet, starter
 
@@ -181,3 +185,82 @@ def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_sta
         f"launcher.start_jobs={cfg.launcher.start_jobs}",
         f"log_level={cfg.log_level}",
     )
+
+
+# ---- a starter kept between commands (PIPELINE_STARTER_KEEP_S) ------------------------------------------------
+
+
+def command_line(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def starter_processes(tag: str) -> tuple[int | None, list[int]]:
+    """(the job starter started with TEST_TAG=`tag` in its environment, the job processes it forked)."""
+    mine = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if "-m pipeline.starter" in command_line(int(entry.name)) and f"TEST_TAG={tag}".encode() in (
+                entry / "environ"
+            ).read_bytes().split(b"\0"):
+                mine.append(int(entry.name))
+        except (ValueError, OSError):
+            continue
+    parents = {
+        pid: int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in mine
+    }
+    servers = [pid for pid in mine if parents[pid] not in mine]
+    return (servers[0] if servers else None), [pid for pid in mine if parents[pid] in mine]
+
+
+def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_killed_outright(tmp_path):
+    """With PIPELINE_STARTER_KEEP_S the starter outlives its command: the next command with the same environment
+    forks its jobs from it; that command killed outright (SIGKILL), the starter kills its running job and
+    stays for the next one."""
+    env = {**cli_env(), starter.KEEP_ENV: "60", "TEST_TAG": tmp_path.name}
+    assert run_cli(tmp_path, "-m", "seed=0", *TINY, env=env).returncode == 0
+    server, jobs = starter_processes(tmp_path.name)
+    assert server is not None and not jobs  # kept after its command ended
+    try:
+        cmd = [sys.executable, "-m", "pipeline", "-m", "seed=1", *TINY, "train.max_steps=100000"]
+        sweep = subprocess.Popen(
+            [*cmd, f"outputs_dir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL
+        )
+        deadline = time.time() + 120
+        while not jobs and time.time() < deadline:
+            time.sleep(0.2)
+            jobs = starter_processes(tmp_path.name)[1]
+        assert jobs, "no job process was forked from the kept starter"
+        sweep.kill()
+        sweep.wait(timeout=60)
+        deadline = time.time() + 60
+        while running(jobs[0]) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not running(jobs[0])
+        assert starter_processes(tmp_path.name)[0] == server  # still there for the next command
+        runs = {r.data.params.get("seed"): r for r in store(tmp_path).search_runs(["1"])}
+        assert runs["0"].data.tags["job_start"] == "warm" and runs["0"].info.status == "FINISHED"
+    finally:
+        os.kill(server, signal.SIGTERM)
+
+
+def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line(tmp_path):
+    env = {**cli_env(), starter.KEEP_ENV: "soon", "TEST_TAG": tmp_path.name}
+    proc = run_cli(tmp_path, "-m", "seed=0", *TINY, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if starter.KEEP_ENV in line]
+    assert lines == [
+        f"[job] {starter.KEEP_ENV}=soon is invalid: a number of seconds >= 0 (0: the job starter ends with the "
+        "last command it served): the job starter ends with the command"
+    ]
+    deadline = time.time() + 30
+    while starter_processes(tmp_path.name)[0] is not None and time.time() < deadline:
+        time.sleep(0.2)
+    assert starter_processes(tmp_path.name)[0] is None
