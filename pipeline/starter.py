@@ -259,13 +259,19 @@ def _wait(pid: int, wait) -> int:
     try:
         return wait()
     except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:  # killed before its own session began
-                os.kill(pid, signal.SIGKILL)
+        _kill(pid)
         wait()
         raise
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL to a job's process group (its session: whatever it started too), or to the job alone when it is
+    killed before its own session began."""
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            os.kill(pid, signal.SIGKILL)
 
 
 def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, str]:
@@ -408,8 +414,7 @@ def serve(path: str, alive_fd: int) -> None:
                         os.read(wake_r, 4096)
                     _reap(events, jobs)
                 else:  # the command of a running job ended (killed outright): the job with it
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(key.data, signal.SIGKILL)
+                    _kill(key.data)
                     events.unregister(key.fileobj)
     finally:
         with contextlib.suppress(OSError):  # before the lock goes with this process: the next starter waits
@@ -470,7 +475,11 @@ def _close(events, obj) -> None:
     obj.close() if hasattr(obj, "close") else os.close(obj)
 
 
-if __name__ == "__main__":  # the module the jobs share, not this __main__ copy of it
-    from pipeline.starter import serve as _serve
+if __name__ == "__main__":
+    # out of the process tree of the command that started it (init adopts it): a kill of that tree (joblib's
+    # workers are ended with theirs) leaves the jobs of the other commands it serves alone
+    if os.fork():
+        os._exit(0)
+    from pipeline.starter import serve as _serve  # the module the jobs share, not this __main__ copy of it
 
     _serve(sys.argv[1], int(sys.argv[2]))

@@ -105,6 +105,23 @@ def cli_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTEST_CURRENT_TEST")}
 
 
+def starter_processes(tag: str) -> tuple[int | None, list[int]]:
+    """(the job starter started with TEST_TAG=`tag` in its environment, the job processes it forked)."""
+    mine = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(ValueError, OSError):
+            if b"-m\0pipeline.starter" in (entry / "cmdline").read_bytes() and f"TEST_TAG={tag}".encode() in (
+                (entry / "environ").read_bytes().split(b"\0")
+            ):
+                mine.append(int(entry.name))
+    parents = {}
+    for pid in mine:
+        with contextlib.suppress(OSError):
+            parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    servers = [pid for pid in mine if pid in parents and parents[pid] not in mine]
+    return (servers[0] if servers else None), [pid for pid in mine if parents.get(pid) in mine]
+
+
 def run_cli(tmp_path: Path, *args: str, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """The real CLI, with its outputs and MLflow store under tmp_path (`env`: variables to set for it)."""
     env = {**cli_env(), **(env or {})}

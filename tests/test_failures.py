@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import starter
 from pipeline.optimizers import REGISTRY
-from tests.conftest import ROOT, TINY, cli_env, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, cli_env, run_cli, starter_processes, store, sweep_runs
 
 
 def names(group: str) -> str:
@@ -123,12 +123,12 @@ def test_out_of_memory_is_a_result(tmp_path):
 
 
 def start_sweep(tmp_path, *args):
-    env = cli_env()
-    env[starter.KEEP_ENV] = "0"  # a job starter of its own, in the sweep's tree with its jobs
+    # a job starter of its own (job_processes finds its jobs by the tag), ending with the sweep
+    env = {**cli_env(), starter.KEEP_ENV: "0", "TEST_TAG": str(tmp_path)}
     cmd = [sys.executable, "-m", "pipeline", "-m", *args, f"outputs_dir={tmp_path}"]
     # SIGINT at its default even when the tests run in the background (`pytest &` starts with it ignored, and a
     # Python started with SIGINT ignored never turns it into KeyboardInterrupt)
-    return subprocess.Popen(
+    sweep = subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env,
@@ -137,6 +137,8 @@ def start_sweep(tmp_path, *args):
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    sweep.tag = env["TEST_TAG"]
+    return sweep
 
 
 def children(pid: int) -> list[int]:
@@ -151,18 +153,13 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def job_processes(root: int) -> list[int]:
-    """The job processes under `root` (a sweep, and its parallel workers): `python -m pipeline.job` started
-    cold, or a child of a job starter (the forkserver, pipeline.starter) started warm."""
-    found, todo = [], [root]
+def job_processes(sweep: subprocess.Popen) -> list[int]:
+    """The job processes of a sweep that start_sweep started: `python -m pipeline.job` under it (and its parallel
+    workers), started cold, or the children of its own job starter, started warm."""
+    found, todo = starter_processes(sweep.tag)[1], [sweep.pid]
     while todo:
-        pid = todo.pop()
-        starter = "-m pipeline.starter" in command_line(pid)
-        for child in children(pid):
-            if starter or "-m pipeline.job" in command_line(child):
-                found.append(child)
-            else:
-                todo.append(child)
+        for child in children(todo.pop()):
+            (found if "-m pipeline.job" in command_line(child) else todo).append(child)
     return found
 
 
@@ -170,7 +167,7 @@ def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
     """pid of the sweep's running job process."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        jobs = job_processes(sweep.pid)
+        jobs = job_processes(sweep)
         if jobs:
             return jobs[0]
         time.sleep(0.2)

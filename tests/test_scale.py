@@ -215,7 +215,7 @@ def test_interrupting_a_parallel_sweep_marks_everything_killed(tmp_path):
     sweep = start_sweep(tmp_path, "seed=0,1", *TINY, "train.max_steps=200", "launcher=parallel")
     deadline, jobs = time.time() + 120, []
     while not jobs and time.time() < deadline:
-        jobs = job_processes(sweep.pid)
+        jobs = job_processes(sweep)
         time.sleep(0.2)
     assert jobs, "no job process appeared"
     time.sleep(1)

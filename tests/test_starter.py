@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, store, sweep_runs
+from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, starter_processes, store, sweep_runs
 
 from pipeline import quiet, starter
 
@@ -190,34 +190,12 @@ def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_sta
 # ---- a starter kept between commands (PIPELINE_STARTER_KEEP_S) ------------------------------------------------
 
 
-def command_line(pid: int) -> str:
-    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
 def running(pid: int) -> bool:
     """Alive and not a zombie."""
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def starter_processes(tag: str) -> tuple[int | None, list[int]]:
-    """(the job starter started with TEST_TAG=`tag` in its environment, the job processes it forked)."""
-    mine = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if "-m pipeline.starter" in command_line(int(entry.name)) and f"TEST_TAG={tag}".encode() in (
-                entry / "environ"
-            ).read_bytes().split(b"\0"):
-                mine.append(int(entry.name))
-        except (ValueError, OSError):
-            continue
-    parents = {
-        pid: int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in mine
-    }
-    servers = [pid for pid in mine if parents[pid] not in mine]
-    return (servers[0] if servers else None), [pid for pid in mine if parents[pid] in mine]
 
 
 def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_killed_outright(tmp_path):
