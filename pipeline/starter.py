@@ -114,7 +114,8 @@ def address(env: dict) -> str:
         os.getcwd(),
         sorted(_shared(env).items()),
         cache.code_digest(),
-        [(p, os.stat(p).st_mtime_ns) for p in sys.path if os.path.isdir(p)],  # an install changes them
+        # the folders of installed libraries: an install or uninstall changes their times
+        [(p, os.stat(p).st_mtime_ns) for p in sys.path if p and p != os.getcwd() and os.path.isdir(p)],
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     ]
     folder = Path(tempfile.gettempdir()) / ADDRESS_DIR
@@ -278,6 +279,7 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
     """Run one job's process(es) to their end: forked from the starter when `warm` and the starter runs with
     this environment, else `command` in a new interpreter. (Its exit status, negative: killed by that signal;
     how it started: `warm` or `cold`.)"""
+    global _address
     if warm and not prestart(env):
         if _address is not None:
             mine = _shared(env)
@@ -287,9 +289,10 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
     elif warm:
         try:
             pid, sock = _fork(job_dir, env)
-        except OSError as err:  # the starter died (an import of PRELOAD failed): start cold
+        except (OSError, EOFError) as err:  # the starter died (an import of PRELOAD failed): start cold
             print(f"[job] {job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
-                  "starting cold", file=sys.stderr)  # fmt: skip
+                  "this command's jobs start cold", file=sys.stderr)  # fmt: skip
+            _address = None
         else:
             with sock:
                 return _wait(pid, lambda: _exit_status(sock)), "warm"
@@ -301,6 +304,9 @@ def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, 
 def _fork(job_dir: Path, env: dict) -> tuple[int, socket.socket]:
     """Ask the starter for a job process on this process's console and in its folder: (its pid, the
     connection its exit status comes back on)."""
+    for held in _holds:
+        if isinstance(held, subprocess.Popen):
+            held.poll()  # reaped: the process that started the starter ends at once (pipeline.starter's main)
     try:
         sock = _connect(_address, 5)  # a starter just started listens within a second
     except (FileNotFoundError, ConnectionRefusedError):  # it ended as this command began: a new one
@@ -387,6 +393,7 @@ def serve(path: str, alive_fd: int) -> None:
             for key, _ in events.select(timeout):
                 if key.data == "accept":
                     conn, _ = listener.accept()
+                    conn.settimeout(5)  # a command stopped between its connection and its request: not all
                     try:
                         request, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                     except OSError:
@@ -416,14 +423,16 @@ def serve(path: str, alive_fd: int) -> None:
                 else:  # the command of a running job ended (killed outright): the job with it
                     _kill(key.data)
                     events.unregister(key.fileobj)
-    finally:
+    except SystemExit:  # SIGTERM: the end an idle starter has
+        pass
+    finally:  # (an exception, an import of PRELOAD that failed, goes on to the log after this)
         with contextlib.suppress(OSError):  # before the lock goes with this process: the next starter waits
             if os.stat(path + ".sock").st_ino == bound:
                 os.unlink(path + ".sock")
         listener.close()
-        with contextlib.suppress(OSError):
-            if not os.fstat(2).st_size:
-                os.unlink(path + ".log")  # nothing said
+    with contextlib.suppress(OSError):
+        if not os.fstat(2).st_size:
+            os.unlink(path + ".log")  # nothing said
 
 
 def _serve_one(request: tuple, fds: list[int], closing: list) -> int:
