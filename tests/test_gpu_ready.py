@@ -10,7 +10,7 @@ import torch
 from pipeline import MB, models
 from pipeline.memory import StepBreakdown, TrainingMemory, indexed, optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer
-from tests.conftest import TINY, compose_cfg, run_cli, selects_gpu_tests, sweep_runs
+from tests.conftest import TINY, cli_env, compose_cfg, run_cli, selects_gpu_tests, sweep_runs
 
 
 def test_an_index_less_cuda_device_gets_the_current_index(monkeypatch):
@@ -207,7 +207,7 @@ def test_the_gpu_check_always_reaches_its_report_and_summary(tmp_path):
     command = [sys.executable, "-m", "bench.gpu_check", "--out", str(tmp_path / "check"), "--docs", str(docs)]
     command += ["--sweep", sweep, "--pytest-args", "-k known_allocation"]
     command += ["--accuracy", "--models tiny --optims adamw --precisions fp32 --checkpointing false"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "check" / "summary.md").read_text()
     assert "no CUDA device" in summary and "**all steps passed**" in summary

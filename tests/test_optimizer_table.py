@@ -6,7 +6,7 @@ import sys
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli_env
 
 
 @pytest.mark.slow  # a 2-job sweep and the meta-device steps: about 40 s on 2 cores
@@ -14,7 +14,7 @@ def test_the_optimizer_table_puts_measured_analytic_and_meta_state_side_by_side(
     out = tmp_path / "table.md"
     command = [sys.executable, "-m", "bench.optimizer_table", "--model", "tiny", "--optims", "adamw,sgd"]
     command += ["--out", str(out), "--outputs-dir", str(tmp_path / "outputs")]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pd.read_csv(out.with_suffix(".csv")).set_index("optim")
     assert list(table.index) == ["adamw", "sgd"] and set(table.status) == {"FINISHED"}
