@@ -25,10 +25,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("PIPELINE_CACHE_DIR", str(Path(tempfile.gettempdir()) / "optimizer-sweep-tests-cache"))
 # The commands of the suite with the same environment share one job starter (pipeline.starter), kept between
 # them: a command's jobs start without importing torch & co. again. Two minutes after the suite's last
-# command it ends. (Tests that look for a job process under its sweep's start a starter of their own.)
+# command it ends, or as the suite ends (pytest_unconfigure). (Tests that look for a sweep's job processes
+# start a starter of their own.)
 os.environ.setdefault("PIPELINE_STARTER_KEEP_S", "120")
-# ... unless the suite ends first: its tag, in every command's environment, names the starters it ends then.
-os.environ.setdefault("PIPELINE_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 
 def pytest_configure(config):
@@ -37,6 +36,9 @@ def pytest_configure(config):
     process and every job it starts see no GPU. Set before any test module imports torch."""
     if not selects_gpu_tests(config.option.markexpr):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not hasattr(config, "workerinput"):  # this session's tag (its workers inherit it; a pytest that a test
+        # starts gets its own): in every command's environment, it names the starters the session ends
+        os.environ["PIPELINE_TEST_SESSION"] = f"{os.getpid()}-{time.time_ns()}"
     own_cores(os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
@@ -44,7 +46,7 @@ def pytest_unconfigure(config):
     """The job starters the suite kept end with it (the controller's, once every worker is done)."""
     if hasattr(config, "workerinput"):
         return
-    tag = f"PIPELINE_TEST_SESSION={os.environ['PIPELINE_TEST_SESSION']}".encode()
+    tag = f"PIPELINE_TEST_SESSION={os.environ.get('PIPELINE_TEST_SESSION')}".encode()
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(ValueError, OSError):
             if b"pipeline.starter" in (entry / "cmdline").read_bytes() and tag in (
