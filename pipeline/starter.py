@@ -421,8 +421,10 @@ def serve(path: str, alive_fd: int) -> None:
                         os.read(wake_r, 4096)
                     _reap(events, jobs)
                 else:  # the command of a running job ended (killed outright): the job with it
-                    _kill(key.data)
-                    events.unregister(key.fileobj)
+                    if key.data in jobs:  # (not reaped in this same round: its pid is not reused yet)
+                        _kill(key.data)
+                    with contextlib.suppress(KeyError, ValueError):
+                        events.unregister(key.fileobj)
     except SystemExit:  # SIGTERM: the end an idle starter has
         pass
     finally:  # (an exception, an import of PRELOAD that failed, goes on to the log after this)

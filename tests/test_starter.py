@@ -202,9 +202,9 @@ def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_k
     """With PIPELINE_STARTER_KEEP_S the starter outlives its command: the next command with the same environment
     forks its jobs from it; that command killed outright (SIGKILL), the starter kills its running job and
     stays for the next one."""
-    env = {**cli_env(), starter.KEEP_ENV: "60", "TEST_TAG": tmp_path.name}
+    env = {**cli_env(), starter.KEEP_ENV: "60", "TEST_TAG": str(tmp_path)}
     assert run_cli(tmp_path, "-m", "seed=0", *TINY, env=env).returncode == 0
-    server, jobs = starter_processes(tmp_path.name)
+    server, jobs = starter_processes(str(tmp_path))
     assert server is not None and not jobs  # kept after its command ended
     try:
         cmd = [sys.executable, "-m", "pipeline", "-m", "seed=1", *TINY, "train.max_steps=100000"]
@@ -214,7 +214,7 @@ def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_k
         deadline = time.time() + 120
         while not jobs and time.time() < deadline:
             time.sleep(0.2)
-            jobs = starter_processes(tmp_path.name)[1]
+            jobs = starter_processes(str(tmp_path))[1]
         assert jobs, "no job process was forked from the kept starter"
         sweep.kill()
         sweep.wait(timeout=60)
@@ -222,7 +222,7 @@ def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_k
         while running(jobs[0]) and time.time() < deadline:
             time.sleep(0.2)
         assert not running(jobs[0])
-        assert starter_processes(tmp_path.name)[0] == server  # still there for the next command
+        assert starter_processes(str(tmp_path))[0] == server  # still there for the next command
         runs = {r.data.params.get("seed"): r for r in store(tmp_path).search_runs(["1"])}
         assert runs["0"].data.tags["job_start"] == "warm" and runs["0"].info.status == "FINISHED"
     finally:
@@ -230,7 +230,7 @@ def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_k
 
 
 def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line(tmp_path):
-    env = {**cli_env(), starter.KEEP_ENV: "soon", "TEST_TAG": tmp_path.name}
+    env = {**cli_env(), starter.KEEP_ENV: "soon", "TEST_TAG": str(tmp_path)}
     proc = run_cli(tmp_path, "-m", "seed=0", *TINY, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if starter.KEEP_ENV in line]
@@ -239,6 +239,6 @@ def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line
         "last command it served): the job starter ends with the command"
     ]
     deadline = time.time() + 30
-    while starter_processes(tmp_path.name)[0] is not None and time.time() < deadline:
+    while starter_processes(str(tmp_path))[0] is not None and time.time() < deadline:
         time.sleep(0.2)
-    assert starter_processes(tmp_path.name)[0] is None
+    assert starter_processes(str(tmp_path))[0] is None
