@@ -12,8 +12,8 @@ process of our own. Cold (`launcher.start_jobs=cold`): `python -m pipeline.job J
 job of several ranks (torchrun) and a job that a scheduler starts (submitit: SLURM or its local executor)
 always start cold.
 
-A starter serves every command of the same user, interpreter, folder, environment, pipeline source and
-installed libraries (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
+A starter serves every command of the same user, interpreter, folder, environment, pipeline source, installed
+libraries and CPU set (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
 $PIPELINE_STARTER_KEEP_S seconds more (KEEP_ENV; default 0: it ends with the last command it served). Kept, the
 next command's jobs start without waiting for the imports. A command killed outright (SIGKILL) takes its
 running job with it: the starter kills the job whose command's connection closed.
