@@ -260,6 +260,16 @@ def machine() -> str:
     )
 
 
+def backend_table(label: str, seconds: dict[str, list[float]]) -> list[str]:
+    """A one-row table of seconds per backend (median, min – max), after a blank line."""
+    return [
+        "",
+        "| | " + " | ".join(f"`backend={b}`" for b in seconds) + " |",
+        "| --- |" + " --- |" * len(seconds),
+        f"| **{label}** | " + " | ".join(cell(values, "{:.2f}") for values in seconds.values()) + " |",
+    ]
+
+
 def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
     """Where one job's wall time goes, phase by phase (seconds, one value per repeat)."""
 
@@ -446,7 +456,6 @@ def write_results(
         "| --- |" + " --- |" * len(jobs),
     ]
     phase_rows = {b: job_phases(runs) for b, runs in jobs.items()}
-    in_sweep = " | ".join(cell(values, "{:.2f}") for values in r["in_sweep"].values())
     for i, (label, _) in enumerate(phase_rows["trainer"]):
         lines.append(
             f"| {label} | " + " | ".join(cell(rows[i][1], "{:.2f}") for rows in phase_rows.values()) + " |"
@@ -457,22 +466,15 @@ def write_results(
         "first, from its run's opening to its job process's end, less its training loop — the job's process "
         "forked from the sweep's starter, the splits and the simulated step from the caches, the MLflow store "
         "already open (seconds):",
-        "",
-        "| | " + " | ".join(f"`backend={b}`" for b in r["in_sweep"]) + " |",
-        "| --- |" + " --- |" * len(r["in_sweep"]),
-        f"| **fixed overhead of a job inside a sweep** | {in_sweep} |",
+        *backend_table("fixed overhead of a job inside a sweep", r["in_sweep"]),
     ]
     if r.get("kept"):
-        kept = " | ".join(cell(values, "{:.2f}") for values in r["kept"].values())
         lines += [
             "",
             f"The same single job with `{starter.KEEP_ENV}={KEEP_S}` (other seeds): the job starter kept from "
             "the command before with the same environment (a command the bench ran first), so the job's process "
             "is forked at once; the CLI's own start, MLflow's import and its store remain (seconds):",
-            "",
-            "| | " + " | ".join(f"`backend={b}`" for b in r["kept"]) + " |",
-            "| --- |" + " --- |" * len(r["kept"]),
-            f"| **fixed overhead of one job, the starter kept** | {kept} |",
+            *backend_table("fixed overhead of one job, the starter kept", r["kept"]),
         ]
 
     lines += [

@@ -107,6 +107,14 @@ def cli_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTEST_CURRENT_TEST")}
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def starter_processes(tag: str) -> tuple[int | None, list[int]]:
     """(the job starter started with TEST_TAG=`tag` in its environment, the job processes it forked)."""
     mine = []

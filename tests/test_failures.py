@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import starter
 from pipeline.optimizers import REGISTRY
-from tests.conftest import ROOT, TINY, cli_env, run_cli, starter_processes, store, sweep_runs
+from tests.conftest import ROOT, TINY, cli_env, run_cli, running, starter_processes, store, sweep_runs
 
 
 def names(group: str) -> str:
@@ -172,14 +172,6 @@ def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
             return jobs[0]
         time.sleep(0.2)
     raise TimeoutError("no job process appeared")
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed child nobody reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_worker_is_a_failed_run_and_the_sweep_goes_on(tmp_path):

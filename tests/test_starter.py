@@ -7,10 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, starter_processes, store, sweep_runs
+from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, running, starter_processes, store, sweep_runs
 
 from pipeline import quiet, starter
 
@@ -188,14 +187,6 @@ def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_sta
 
 
 # ---- a starter kept between commands (PIPELINE_STARTER_KEEP_S) ------------------------------------------------
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_killed_outright(tmp_path):
