@@ -3,7 +3,7 @@
     python -m bench.probe cli OUT_JSON [pipeline overrides ...]   # as `python -m pipeline ...`
     python -m bench.probe job JOB_DIR                              # as `python -m pipeline.job JOB_DIR`
 
-`cli` wraps every Tracker method (MLflow) and the job process, swaps the job's command for `bench.probe job`
+`cli` wraps every Tracker method (MLflow), notes when the job process starts and ends, swaps the job's command for `bench.probe job`
 (a cold start) and the module a warm job process runs for this one (`main`), then runs `pipeline.__main__` as
 `python -m pipeline` would, and writes its phase times (seconds) to OUT_JSON. `main` times the job's imports
 (none left to make in a warm job process: the starter made them) and each loading step, then runs
@@ -34,6 +34,8 @@ def timed(name: str, fn):
             return fn(*args, **kwargs)
         finally:
             PHASES[name] += time.perf_counter() - start
+            if name.startswith("mlflow.") and "cli.job_end_at" in PHASES:  # recording the job's result
+                PHASES["cli.mlflow_after_job"] += time.perf_counter() - start
 
     return wrapper
 
@@ -65,7 +67,19 @@ def cli(out: Path, overrides: list[str]) -> None:
     runner.run = run
     placement.job_command = probed_command
     starter.JOB_MODULE = "bench.probe"  # a warm job process runs main() below
-    patch(runner, "run_job_process", "cli.job_process")
+    real_init, real_wait = starter.Job.__init__, starter.Job.wait
+
+    def init(*args):  # the job's start and end, on the CLI's clock (MLflow's opening may run in between)
+        PHASES["cli.job_start_at"] = time.perf_counter() - START
+        real_init(*args)
+
+    def wait(self):
+        try:
+            return real_wait(self)
+        finally:
+            PHASES["cli.job_end_at"] = time.perf_counter() - START
+
+    starter.Job.__init__, starter.Job.wait = init, wait
     sys.argv = ["pipeline", *overrides]
     try:
         runpy.run_module("pipeline", run_name="__main__", alter_sys=True)

@@ -149,35 +149,57 @@ def prestart(cfg: DictConfig) -> None:
             starter.prestart(job_env(cfg, ranks))
 
 
-def run_job_process(
-    cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict
-) -> tuple[Failure | None, str]:
-    """Run the job in fresh process(es): (None on success, else its failure; how it started: `warm` or `cold`,
-    pipeline.starter). An exception here (Ctrl-C) kills the job."""
+@contextlib.contextmanager
+def job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict):
+    """Start the job in fresh process(es) (its GPUs taken from the pool at `pool_dir`); yields a function that
+    waits for their end: (None on success, else its failure; how it started: `warm` or `cold`,
+    pipeline.starter). A job still running as the block is left (Ctrl-C, or its point found done meanwhile)
+    is killed."""
     from pipeline import placement, starter
 
     try:
         env = job_env(cfg, ranks)  # the job's console (pipeline.quiet)
     except ValueError as err:  # a bad value: this point fails, the sweep goes on
-        return Failure("config", f"ConfigError: {err}"), "cold"
+        failure = Failure("config", f"ConfigError: {err}")
+        yield lambda: (failure, "cold")
+        return
     nproc = cfg.launcher.nproc_per_job
     command = placement.job_command(job_dir, nproc, bool(ranks))
     gpus = [] if cfg.launcher.name in placement.SCHEDULED else placement.visible_gpus()
     if gpus and nproc > len(gpus):  # a bad value for this machine: this point fails, the sweep goes on
-        return Failure("config", f"ConfigError: {placement.too_few_gpus(nproc, gpus)}"), "cold"
+        yield lambda: (Failure("config", f"ConfigError: {placement.too_few_gpus(nproc, gpus)}"), "cold")
+        return
     with placement.GpuPool(pool_dir, gpus).take(nproc) if gpus else contextlib.nullcontext() as devices:
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
             print(f"[job] {job_dir.name}: GPU {env['CUDA_VISIBLE_DEVICES']}", flush=True)
+        job = starter.Job(job_dir, env, command, starts_warm(cfg, ranks))
         try:
-            returncode, start = starter.run(job_dir, env, command, starts_warm(cfg, ranks))
-        except Exception as err:  # submitit's time-limit signal handler raised here (the job is killed)
-            if type(err).__name__ != "UncompletedJobError":
-                raise
-            return Failure("time_limit", time_limit_text(cfg, str(err))), "cold"
+            yield functools.partial(job_outcome, cfg, job_dir, job)
+        finally:
+            job.kill()
+
+
+def job_outcome(cfg: DictConfig, job_dir: Path, job) -> tuple[Failure | None, str]:
+    """Wait for a job's end (a pipeline.starter.Job): (None on success, else its failure; how it started)."""
+    try:
+        returncode = job.wait()
+    except Exception as err:  # submitit's time-limit signal handler raised here (the job is killed)
+        if type(err).__name__ != "UncompletedJobError":
+            raise
+        return Failure("time_limit", time_limit_text(cfg, str(err))), job.how
     if cfg.launcher.name == "slurm" and returncode == -signal.SIGTERM:
-        return slurm_stop(cfg), start
-    return exit_failure(job_dir, returncode), start
+        return slurm_stop(cfg), job.how
+    return exit_failure(job_dir, returncode), job.how
+
+
+def run_job_process(
+    cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict
+) -> tuple[Failure | None, str]:
+    """Run the job in fresh process(es) to their end: (None on success, else its failure; how it started). An
+    exception here (Ctrl-C) kills the job."""
+    with job_process(cfg, job_dir, pool_dir, ranks) as outcome:
+        return outcome()
 
 
 def time_limit_text(cfg: DictConfig, detail: str) -> str:
@@ -355,17 +377,44 @@ def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
         return None, folder
 
 
+def starts_first(cfg: DictConfig, sweep: dict | None) -> bool:
+    """Whether a point's job starts before the store is open: a single run (a sweep's launching process opened
+    the store before its first point) of a valid config whose job starts warm. It trains while this process
+    imports MLflow and opens the store; should the point turn out FINISHED before, the job is stopped."""
+    if sweep is not None or not starts_warm(cfg, scheduler_ranks(cfg)):
+        return False
+    try:
+        validate(cfg)
+    except ConfigError:  # recorded as the point's failure, once its run is open
+        return False
+    return True
+
+
 def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
     """One point: skip it when it FINISHED before, else open its run (under the sweep's parent run, whose ids
     `sweep` holds; None for a single run), run its job process and record the result or the failure. The
     outcome goes through the journal (pipeline.journal): when the store is away at the end, it waits in the
-    job folder to be recorded later, and the sweep goes on."""
+    job folder to be recorded later, and the sweep goes on. A single run's job starts first (starts_first)."""
+    from pipeline import journal
+
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    prestart(cfg)  # the starter imports the libraries while this process opens the store
+    with contextlib.ExitStack() as started:
+        early = None
+        if starts_first(cfg, sweep):
+            save_config(cfg, job_dir)
+            early = journal.now_ms(), started.enter_context(job_process(cfg, job_dir, job_dir, {}))
+        return record(cfg, sweep, job_dir, early)
+
+
+def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | None) -> Outcome:
+    """run() once its job started where it starts first: `early` is (its start in ms, the function that waits
+    for its outcome), else None."""
     from pipeline import journal, placement
     from pipeline.tracking import StoreError, Tracker, ui_url
 
     hydra_cfg = HydraConfig.get()
-    job_dir = Path(hydra_cfg.runtime.output_dir)
-    prestart(cfg)  # the starter imports the libraries while this process opens the store
+    stopped = "; its job, started as the store opened, ends unrecorded" if early else ""
     try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
         tracker = Tracker.for_config(cfg)
         experiment_id = sweep["experiment_id"] if sweep else tracker.experiment_id(cfg.tracking.experiment)
@@ -378,10 +427,12 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         tracker, cfg, experiment_id, point
     )  # skipped, or with force=true replaced
     if waiting is not None and not cfg.force:
-        print(f"[job] {name}: skipped, trained before: its result waits to be recorded in {waiting}")
+        print(f"[job] {name}: skipped, trained before: its result waits to be recorded in {waiting}{stopped}")
         return Outcome(name, "UNRECORDED", reason=f"waits in {waiting}")
     if done is not None and not cfg.force:
-        print(f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it)")
+        print(
+            f"[job] {name}: skipped, FINISHED before as run {done.info.run_id} (force=true reruns it){stopped}"
+        )
         (job_dir / SKIPPED_FILE).write_text(done.info.run_id)  # counted by the sweep (parallel workers)
         return Outcome(name, "SKIPPED", done.data.metrics.get(selection_metric(cfg)))
     pool_dir = Path(hydra_cfg.sweep.dir) if sweep else job_dir
@@ -395,7 +446,7 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
         **({"replaces": done.info.run_id} if done is not None else {}),
         **(scheduler_tags(cfg)),
     }
-    start, run_id = journal.now_ms(), None
+    start, run_id = early[0] if early else journal.now_ms(), None
     try:  # the run opens now, so that the UI shows it while it trains; a store away opens it when recorded
         run_id = requeued_run(tracker, experiment_id, tags) or tracker.start_run(
             experiment_id, name, parent_run_id, tags, start_time=start
@@ -421,6 +472,8 @@ def run(cfg: DictConfig, sweep: dict | None) -> Outcome:
             failure, result = plan_in_process(cfg)
             if result is not None:
                 (job_dir / RESULT_FILE).write_text(json.dumps(result))
+        elif early:
+            failure, tags["job_start"] = early[1]()
         elif failure is None:
             failure, tags["job_start"] = run_job_process(cfg, job_dir, pool_dir, ranks)
         if failure is not None:

@@ -254,17 +254,6 @@ def _child(job_dir: str, env: dict, module: str) -> None:
         os._exit(code)  # as `python -m pipeline.job` ends: nothing of the starter's state is torn down
 
 
-def _wait(pid: int, wait) -> int:
-    """The exit status `wait()` returns; on an exception (Ctrl-C, SIGTERM) the job's process group is killed
-    first."""
-    try:
-        return wait()
-    except BaseException:
-        _kill(pid)
-        wait()
-        raise
-
-
 def _kill(pid: int) -> None:
     """SIGKILL to a job's process group (its session: whatever it started too), or to the job alone when it is
     killed before its own session began."""
@@ -275,35 +264,108 @@ def _kill(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def run(job_dir: Path, env: dict, command: list[str], warm: bool) -> tuple[int, str]:
-    """Run one job's process(es) to their end: forked from the starter when `warm` and the starter runs with
-    this environment, else `command` in a new interpreter. (Its exit status, negative: killed by that signal;
-    how it started: `warm` or `cold`.)"""
-    global _address
-    if warm and not prestart(env):
-        if _address is not None:
-            mine = _shared(env)
-            differ = sorted(k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k))
-            print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
-                  f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
-    elif warm:
+class Job:
+    """One job's process(es), started at once: forked from the starter when `warm` and the starter runs with
+    this environment (the request is sent now; the starter forks once its imports are done), else `command` in
+    a new interpreter. wait() gives its exit status (negative: killed by that signal); kill() ends it where it
+    still runs. `how` it started: `warm` or `cold`."""
+
+    def __init__(self, job_dir: Path, env: dict, command: list[str], warm: bool):
+        self.job_dir, self.env, self.command = job_dir, env, command
+        self.pid: int | None = None
+        self.status: int | None = None
+        self.sock: socket.socket | None = None
+        self.popen: subprocess.Popen | None = None
+        if warm and not prestart(env):
+            if _address is not None:
+                mine = _shared(env)
+                differ = sorted(
+                    k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k)
+                )
+                print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
+                      f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
+        elif warm:
+            try:
+                self.sock = _request(job_dir, env)
+            except OSError as err:
+                self._gone(err)
+        if self.sock is None:
+            self._cold()
+        self.how = "warm" if self.sock is not None else "cold"
+
+    def _cold(self) -> None:
+        # its own session: a kill reaches torchrun's ranks too, not only torchrun
+        self.popen = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+        self.pid = self.popen.pid
+
+    def _gone(self, err: Exception) -> None:
+        """The starter died (an import of PRELOAD failed): this job and the command's next ones start cold."""
+        global _address
+        print(f"[job] {self.job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
+              "this command's jobs start cold", file=sys.stderr)  # fmt: skip
+        _address = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _status(self) -> int:
+        """Wait for the job's end: its exit status, as the operating system or its starter reports it (a
+        starter killed meanwhile killed its jobs too)."""
+        if self.popen is not None:
+            return self.popen.wait()
+        reply = self.sock.recv(STATUS.size)
+        return STATUS.unpack(reply)[0] if len(reply) == STATUS.size else -signal.SIGKILL
+
+    def wait(self) -> int:
+        """The job's exit status, once it ended; an exception meanwhile (Ctrl-C, SIGTERM) kills it first."""
         try:
-            pid, sock = _fork(job_dir, env)
-        except (OSError, EOFError) as err:  # the starter died (an import of PRELOAD failed): start cold
-            print(f"[job] {job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
-                  "this command's jobs start cold", file=sys.stderr)  # fmt: skip
-            _address = None
-        else:
-            with sock:
-                return _wait(pid, lambda: _exit_status(sock)), "warm"
-    # its own session: a kill reaches torchrun's ranks too, not only torchrun
-    popen = subprocess.Popen(command, env=env, start_new_session=True)
-    return _wait(popen.pid, popen.wait), "cold"
+            if self.pid is None:  # the starter's reply: the pid of the process it forked
+                try:
+                    reply = self.sock.recv(STATUS.size)
+                    if len(reply) != STATUS.size:
+                        raise EOFError("the job starter ended before it started the job")
+                    self.pid = STATUS.unpack(reply)[0]
+                except (OSError, EOFError) as err:
+                    self._gone(err)
+                    self._cold()
+                    self.how = "cold"
+            self.status = self._status()
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            if self.sock is not None and self.status is not None:
+                self.sock.close()
+        return self.status
+
+    def kill(self) -> None:
+        """End the job where it still runs (SIGKILL to its process group) and wait for that end. A warm job the
+        starter has not forked yet is ended by the starter: the connection its request came on closes."""
+        if self.status is None and self.popen is None and self.sock is not None:
+            if self.pid is None:  # forked already: its pid came back
+                self.pid = self._reply()
+            if self.pid is not None:  # ended already: its exit status came back too (nothing to kill)
+                self.status = self._reply()
+        if self.status is None and self.pid is not None:
+            _kill(self.pid)
+            self.status = self._status()
+        if self.sock is not None:
+            self.sock.close()
+        self.status = -signal.SIGKILL if self.status is None else self.status
+
+    def _reply(self) -> int | None:
+        """What the starter sent back and this process has not read yet, without waiting: a pid or an exit
+        status (None: nothing yet, or the connection's end)."""
+        try:
+            reply = self.sock.recv(STATUS.size, socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        return STATUS.unpack(reply)[0] if len(reply) == STATUS.size else None
 
 
-def _fork(job_dir: Path, env: dict) -> tuple[int, socket.socket]:
-    """Ask the starter for a job process on this process's console and in its folder: (its pid, the
-    connection its exit status comes back on)."""
+def _request(job_dir: Path, env: dict) -> socket.socket:
+    """Ask the starter for a job process on this process's console and in its folder: the connection its pid,
+    then its exit status come back on."""
     for held in _holds:
         if isinstance(held, subprocess.Popen):
             held.poll()  # reaped: the process that started the starter ends at once (pipeline.starter's main)
@@ -317,13 +379,10 @@ def _fork(job_dir: Path, env: dict) -> tuple[int, socket.socket]:
     try:
         request = pickle.dumps((str(job_dir), env, JOB_MODULE, os.getcwd()))
         socket.send_fds(sock, [request], [_console_fd(fd) for fd in (0, 1, 2)])
-        reply = sock.recv(STATUS.size)  # once the starter has imported PRELOAD and forked
-        if len(reply) != STATUS.size:
-            raise EOFError("the job starter ended before it started the job")
     except BaseException:
         sock.close()
         raise
-    return STATUS.unpack(reply)[0], sock
+    return sock
 
 
 def _console_fd(fd: int) -> int:
@@ -333,12 +392,6 @@ def _console_fd(fd: int) -> int:
         return fd
     except OSError:
         return os.open(os.devnull, os.O_RDWR)
-
-
-def _exit_status(sock: socket.socket) -> int:
-    """The job's exit status, as its starter reports it (a starter killed meanwhile killed its jobs too)."""
-    reply = sock.recv(STATUS.size)
-    return STATUS.unpack(reply)[0] if len(reply) == STATUS.size else -signal.SIGKILL
 
 
 def serve(path: str, alive_fd: int) -> None:
@@ -402,6 +455,10 @@ def serve(path: str, alive_fd: int) -> None:
                     if request == b"hold":
                         holds += 1
                         events.register(conn, selectors.EVENT_READ, "hold")
+                    elif len(fds) == 3 and _gone(conn):  # the command ended or stopped the job meanwhile
+                        for fd in fds:
+                            os.close(fd)
+                        conn.close()
                     elif len(fds) == 3:
                         closing = [*own, conn, *(k.fileobj for k in events.get_map().values())]
                         pid = _serve_one(pickle.loads(request), fds, closing)
@@ -435,6 +492,20 @@ def serve(path: str, alive_fd: int) -> None:
     with contextlib.suppress(OSError):
         if not os.fstat(2).st_size:
             os.unlink(path + ".log")  # nothing said
+
+
+def _gone(conn: socket.socket) -> bool:
+    """Whether the command at the other end of `conn` closed it (nothing left to read but its end)."""
+    timeout = conn.gettimeout()
+    conn.settimeout(0)  # a look, no wait
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        conn.settimeout(timeout)
 
 
 def _serve_one(request: tuple, fds: list[int], closing: list) -> int:

@@ -233,3 +233,39 @@ def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line
     while starter_processes(str(tmp_path))[0] is not None and time.time() < deadline:
         time.sleep(0.2)
     assert starter_processes(str(tmp_path))[0] is None
+
+
+# ---- a single run: its job starts before the store opens -----------------------------------------------------
+
+
+def test_a_single_runs_job_trains_while_the_store_opens_and_a_rerun_of_its_point_ends_it_unrecorded(tmp_path):
+    """Without -m the job is forked before the launching process opens the MLflow store: it trains to its end
+    while the store stays closed (its creation lock, held here), and its run, opened once the store answers, is
+    FINISHED from the job's start. The same point again: skipped, and the job it started ends unrecorded."""
+    from filelock import FileLock
+
+    env = {**cli_env(), "TEST_TAG": str(tmp_path)}
+    args = [*TINY, f"hydra.run.dir={tmp_path}/runs/one", f"outputs_dir={tmp_path}"]
+    result = tmp_path / "runs" / "one" / "result.json"
+    tmp_path.mkdir(exist_ok=True)
+    with FileLock(f"{tmp_path / 'mlflow.db'}.lock"), (tmp_path / "first.err").open("w") as err:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+        deadline = time.time() + 120
+        while not result.exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert result.exists(), (tmp_path / "first.err").read_text()[-3000:]
+        assert first.poll() is None  # waiting for the store
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    [run] = store(tmp_path).search_runs(["1"])
+    assert run.info.status == "FINISHED" and run.data.tags["job_start"] == "warm"
+    assert run.info.start_time <= result.stat().st_mtime * 1000 <= run.info.end_time
+    again = run_cli(tmp_path, *args[:-1], env={"TEST_TAG": str(tmp_path)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        f"skipped, FINISHED before as run {run.info.run_id} (force=true reruns it); its job, started as the store "
+        "opened, ends unrecorded"
+    ) in again.stdout
+    assert starter_processes(str(tmp_path))[1] == []  # killed before the command ended, or never forked
+    assert [r.info.run_id for r in store(tmp_path).search_runs(["1"])] == [run.info.run_id]
