@@ -467,7 +467,7 @@ def write_results(
         "Fixed overhead = wall time of `python -m pipeline ...` (one run, from the command to its exit) "
         "less the training loop (`train_runtime_s`): everything a job costs besides training — both "
         "processes' start-up (the job's process forked from the starter, which imports torch & co. while "
-        "the CLI composes the config), imports, loading and tokenizing (the splits and the simulated step "
+        "the CLI composes the config and opens the MLflow store), imports, loading and tokenizing (the splits and the simulated step "
         "from outputs/cache after the first job), backend setup, evaluation "
         f"({s.eval_samples} samples of the test split and {s.eval_samples} of the validation split), MLflow, teardown. Import floor = wall time of "
         f'`python -c "import torch, transformers, mlflow"`, {floor_readings} at the start of each repeat: '
