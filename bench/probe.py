@@ -3,8 +3,8 @@
     python -m bench.probe cli OUT_JSON [pipeline overrides ...]   # as `python -m pipeline ...`
     python -m bench.probe job JOB_DIR                              # as `python -m pipeline.job JOB_DIR`
 
-`cli` wraps every Tracker method (MLflow), notes when the job process starts and ends, swaps the job's command for `bench.probe job`
-(a cold start) and the module a warm job process runs for this one (`main`), then runs `pipeline.__main__` as
+`cli` wraps every Tracker method (MLflow), notes when the job process starts and ends, swaps the job's command
+for `bench.probe job` (a cold start) and the module a warm job process runs for this one (`main`), then runs `pipeline.__main__` as
 `python -m pipeline` would, and writes its phase times (seconds) to OUT_JSON. `main` times the job's imports
 (none left to make in a warm job process: the starter made them) and each loading step, then runs
 `pipeline.job.main`; its phases go to JOB_DIR/bench_phases.json. A wrapper costs about a microsecond per call: nothing measurable next to a job.

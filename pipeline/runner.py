@@ -380,7 +380,7 @@ def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
 def starts_first(cfg: DictConfig, sweep: dict | None) -> bool:
     """Whether a point's job starts before the store is open: a single run (a sweep's launching process opened
     the store before its first point) of a valid config whose job starts warm. It trains while this process
-    imports MLflow and opens the store; should the point turn out FINISHED before, the job is stopped."""
+    imports MLflow and opens the store; should the point turn out FINISHED before, the job ends unrecorded."""
     if sweep is not None or not starts_warm(cfg, scheduler_ranks(cfg)):
         return False
     try:

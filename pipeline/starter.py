@@ -455,7 +455,7 @@ def serve(path: str, alive_fd: int) -> None:
                     if request == b"hold":
                         holds += 1
                         events.register(conn, selectors.EVENT_READ, "hold")
-                    elif len(fds) == 3 and _gone(conn):  # the command ended or stopped the job meanwhile
+                    elif len(fds) == 3 and _closed(conn):  # the command ended or stopped the job meanwhile
                         for fd in fds:
                             os.close(fd)
                         conn.close()
@@ -494,7 +494,7 @@ def serve(path: str, alive_fd: int) -> None:
             os.unlink(path + ".log")  # nothing said
 
 
-def _gone(conn: socket.socket) -> bool:
+def _closed(conn: socket.socket) -> bool:
     """Whether the command at the other end of `conn` closed it (nothing left to read but its end)."""
     timeout = conn.gettimeout()
     conn.settimeout(0)  # a look, no wait

@@ -250,7 +250,11 @@ def test_a_single_runs_job_trains_while_the_store_opens_and_a_rerun_of_its_point
     tmp_path.mkdir(exist_ok=True)
     with FileLock(f"{tmp_path / 'mlflow.db'}.lock"), (tmp_path / "first.err").open("w") as err:
         first = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err
+            [sys.executable, "-m", "pipeline", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
         deadline = time.time() + 120
         while not result.exists() and first.poll() is None and time.time() < deadline:
