@@ -247,7 +247,6 @@ def test_a_single_runs_job_trains_while_the_store_opens_and_a_rerun_of_its_point
     env = {**cli_env(), "TEST_TAG": str(tmp_path)}
     args = [*TINY, f"hydra.run.dir={tmp_path}/runs/one", f"outputs_dir={tmp_path}"]
     result = tmp_path / "runs" / "one" / "result.json"
-    tmp_path.mkdir(exist_ok=True)
     with FileLock(f"{tmp_path / 'mlflow.db'}.lock"), (tmp_path / "first.err").open("w") as err:
         first = subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args],
