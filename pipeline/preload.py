@@ -1,24 +1,48 @@
 """What the job starter (pipeline.starter) imports once, so that no job process imports it again: the console's
 filters first (the starter's environment carries the console's level), then the libraries, the modelling code
 of the default model's family (BERT: MiniLM and tiny; a job of another family imports its own) and the job's own
-modules. Nothing here may initialise CUDA: bitsandbytes, whose import does, is left to the jobs that use it
-(tests/test_starter.py checks every import below)."""
+modules.
+
+Nothing here may initialise CUDA (a process forked after that cannot use it). On a CUDA build two imports would:
+- bitsandbytes reads every device's compute capability: it is left to the jobs that use it;
+- torchao, which transformers' model code imports (modeling_utils -> its fp8 integration -> the quantizers ->
+  the torchao quantizer) when torchao is installed: its MX-format kernels read the compute capability and ask
+  triton whether the current device suits it. Here transformers imports with torchao hidden
+  (`sys.modules["torchao"] = None`: `importlib.util.find_spec` answers None, so transformers takes it as not
+  installed and skips that import); afterwards torchao is visible again, transformers' cached answer is
+  cleared, and a job that uses it (the torchao optimizers) imports it itself, after the fork. What the starter
+  leaves out with it: transformers' loading of torchao-quantized checkpoints, which no job here uses.
+tests/test_starter.py checks every import below on a simulated CUDA build."""
 
 import gc
+import sys
 
 from pipeline import quiet
 
 quiet.install()
 
-import accelerate  # noqa: E402, F401
-import datasets  # noqa: E402, F401
-import torch  # noqa: E402, F401
-import transformers  # noqa: E402, F401
-import transformers.models.bert.modeling_bert  # noqa: E402, F401
-import transformers.trainer  # noqa: E402, F401
+HIDDEN = "torchao"  # whose import touches the device on a CUDA build (see above)
 
-from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401
-from pipeline.backends import accelerator, trainer  # noqa: E402, F401
+import torch  # noqa: E402, F401
+
+_had = sys.modules.get(HIDDEN, False)
+if _had is False:
+    sys.modules[HIDDEN] = None
+try:
+    import accelerate  # noqa: E402, F401
+    import datasets  # noqa: E402, F401
+    import transformers  # noqa: E402, F401
+    import transformers.models.bert.modeling_bert  # noqa: E402, F401
+    import transformers.trainer  # noqa: E402, F401
+
+    from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401
+    from pipeline.backends import accelerator, trainer  # noqa: E402, F401
+finally:
+    if _had is False:
+        del sys.modules[HIDDEN]
+    from transformers.utils import import_utils
+
+    import_utils.is_torchao_available.cache_clear()
 
 # Everything imported so far stays for the starter's life: moved out of the collector's reach, a job's
 # `gc.collect()` (accelerate's clear_device_cache, which the Trainer calls) no longer walks it, nor writes to

@@ -19,10 +19,13 @@ next command's jobs start without waiting for the imports. A command killed outr
 running job with it: the starter kills the job whose command's connection closed.
 
 CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD imports only modules whose import
-leaves the driver alone (bitsandbytes' import reads every device's compute capability: the job imports it);
-torch's availability checks in the starter go through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), which does not
-initialise the driver. Each child sets its whole environment (CUDA_VISIBLE_DEVICES from the sweep's GPU pool,
-its thread count, the console's level) before any torch work, and refuses to run if CUDA is initialised.
+leaves the driver alone on a CUDA build (pipeline.preload says which imports would not, and how it avoids
+them); torch's availability checks in the starter go through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), which does
+not initialise the driver. Should CUDA be initialised all the same once PRELOAD is imported, the starter serves
+no job: it writes why in its log (REFUSED) and ends, and the command's jobs start cold with that line; a later
+command of the same address reads the log and starts cold at once. Each child sets its whole environment
+(CUDA_VISIBLE_DEVICES from the sweep's GPU pool, its thread count, the console's level) before any torch work,
+and refuses to run when torch says it is in a bad fork (forked from a process with CUDA initialised).
 
 The starter keeps the environment it was started with (what the libraries read at import: tqdm's delay, the
 hub's offline switches): a job whose environment differs in more than PER_JOB (a swept `log_level`) starts cold.
@@ -68,6 +71,7 @@ JOB_MODULE = "pipeline.job"  # the module whose main(job_dir) a warm child runs 
 KEEP_ENV = "PIPELINE_STARTER_KEEP_S"  # seconds a starter waits for another command once its last one ended
 ADDRESS_DIR = f"optimizer-sweep-starters-{os.getuid()}"  # in the temporary folder: sockets and logs
 CONNECT_WAIT_S = 30  # how long a job waits for a starter just started to listen
+REFUSED = "[starter] serves no job:"  # the line a starter that found CUDA initialised leaves in its log
 STATUS = struct.Struct("q")  # a job's pid, then its exit status, as the starter sends them
 
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
@@ -96,7 +100,11 @@ def prestart(env: dict) -> bool:
             print(f"[job] {err}: the job starter ends with the command", file=sys.stderr)
         try:
             _address = address(env)
-            if not _hold():
+            refused = refusal(_address)
+            if refused:
+                _address = None
+                print(f"[job] no job starter ({refused}): jobs start cold", file=sys.stderr)
+            elif not _hold():
                 _start(env)
         except OSError as err:  # no private folder for its socket, or no process: jobs start cold
             _address = None
@@ -124,6 +132,22 @@ def address(env: dict) -> str:
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(f"{folder} is not this user's alone")
     return str(folder / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24])
+
+
+def refusal(path: str) -> str | None:
+    """Why the starter at `path` serves no job (its REFUSED line, less the prefix), or None."""
+    with contextlib.suppress(OSError):
+        for line in Path(path + ".log").read_text(errors="replace").splitlines():
+            if line.startswith(REFUSED):
+                return line[len(REFUSED) :].strip()
+    return None
+
+
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (or was forked from one that had: a bad fork)."""
+    import torch
+
+    return torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()
 
 
 def keep_seconds(env: dict) -> float:
@@ -242,7 +266,9 @@ def _child(job_dir: str, env: dict, module: str) -> None:
 
     code = 1
     try:
-        if torch.cuda.is_initialized():  # a fork after CUDA's initialisation is unusable
+        # a fork after CUDA's initialisation is unusable: torch marks it a bad fork (is_initialized() then reads
+        # False in the child, whose first CUDA call would fail with torch's generic error)
+        if torch.cuda._is_in_bad_fork() or torch.cuda.is_initialized():
             raise RuntimeError(
                 "the job starter had initialised CUDA before forking: start jobs cold (launcher.start_jobs=cold)"
             )
@@ -299,10 +325,16 @@ class Job:
         self.pid = self.popen.pid
 
     def _gone(self, err: Exception) -> None:
-        """The starter died (an import of PRELOAD failed): this job and the command's next ones start cold."""
+        """The starter died (an import of PRELOAD failed) or refused to serve (CUDA initialised by its imports):
+        this job and the command's next ones start cold."""
         global _address
-        print(f"[job] {self.job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
-              "this command's jobs start cold", file=sys.stderr)  # fmt: skip
+        refused = refusal(_address) if _address is not None else None
+        if refused:
+            print(f"[job] {self.job_dir.name}: the job starter serves no job ({refused}): this command's jobs "
+                  "start cold", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"[job] {self.job_dir.name}: the job starter is gone ({err!r}, its log: {_address}.log): "
+                  "this command's jobs start cold", file=sys.stderr)  # fmt: skip
         _address = None
         if self.sock is not None:
             self.sock.close()
@@ -372,6 +404,8 @@ def _request(job_dir: Path, env: dict) -> socket.socket:
     try:
         sock = _connect(_address, 5)  # a starter just started listens within a second
     except (FileNotFoundError, ConnectionRefusedError):  # it ended as this command began: a new one
+        if refusal(_address):  # ended serving no job: so would another
+            raise
         _start(env)
         sock = _connect(_address, CONNECT_WAIT_S)
     if not any(isinstance(h, socket.socket) for h in _holds):
@@ -424,6 +458,10 @@ def serve(path: str, alive_fd: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `pkill -f pipeline.starter`: the same clean end
     try:
         importlib.import_module(PRELOAD)
+        if cuda_initialised():  # a job forked now could not use CUDA
+            print(f"{REFUSED} CUDA was initialised by the imports of {PRELOAD} (a fork cannot use it)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)

@@ -7,59 +7,148 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, running, starter_processes, store, sweep_runs
 
 from pipeline import quiet, starter
 
-# Run in a fresh interpreter: torch's CUDA entry points replaced by recorders, as a CUDA build on a machine with
-# a GPU would reach them (availability through NVML answers True, as the starter's environment makes it), then
-# the modules imported; prints the entry points that were called (each initialises the CUDA driver).
+# Run in a fresh interpreter as on a CUDA build on a machine with a GPU: `torch.version.cuda` set (the CPU wheel
+# has None, and libraries skip their CUDA branches on it), availability through NVML answering True (as the
+# starter's environment makes it), torch's CUDA entry points replaced by recorders, and triton importable (from
+# TRITON's own folder, where it installs); then the modules imported. Prints the entry points that were called
+# (each initialises the CUDA driver), with where from.
 CUDA_PROBE = """
 import json, os, sys, traceback
 os.environ.update(json.loads(sys.argv[1]))
+if sys.argv[2]:
+    sys.path.insert(0, sys.argv[2])
 import torch
+torch.version.cuda = "12.8"
 called = []
 def recorder(name, value):
     def call(*args, **kwargs):
-        called.append([name, traceback.format_stack(limit=4)[0].strip()])
+        stack = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+        called.append([name, " <- ".join(f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno}" for f in stack[-3:])])
         return value
     return call
+properties = type("Properties", (), {"major": 9, "minor": 0, "name": "GPU", "total_memory": 80 * 10**9})()
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
 for name, value in [("_lazy_init", None), ("init", None), ("get_device_capability", (9, 0)),
-                    ("get_device_properties", None), ("current_device", 0), ("get_device_name", "GPU"),
+                    ("get_device_properties", properties), ("current_device", 0), ("get_device_name", "GPU"),
                     ("set_device", None), ("synchronize", None), ("mem_get_info", (0, 0))]:
     setattr(torch.cuda, name, recorder(name, value))
-for module in sys.argv[2:]:
+for module in sys.argv[3:]:
     try:
         __import__(module)
     except Exception as err:  # a module that takes the recorders' answers for a real GPU and fails later on
         called.append(["import failed", f"{module}: {type(err).__name__}"])
-print(json.dumps(called))
+print(json.dumps([called, "triton" in sys.modules]))
 """
+TRITON = (
+    "triton==3.9.0"  # the compiler a CUDA build of torch imports (Linux wheels on PyPI; not on the CPU wheel)
+)
 
 
-def cuda_calls(*modules: str) -> list:
+@pytest.fixture(scope="module")
+def triton_folder() -> str:
+    """A folder with TRITON in it, installed there once (not into the venv: the CPU wheel runs without it), or
+    "" where it does not install."""
+    folder = Path(os.environ["PIPELINE_CACHE_DIR"]) / f"probe-{TRITON.replace('==', '-')}"
+    if not (folder / "triton").is_dir():
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), TRITON],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode:
+            warnings.warn(
+                f"{TRITON} does not install here; the probe runs without it: {proc.stderr[-300:]}",
+                stacklevel=2,
+            )
+            return ""
+    return str(folder)
+
+
+def cuda_calls(triton: str, *modules: str) -> tuple[list, bool]:
+    """(the CUDA entry points that importing `modules` calls on a simulated CUDA build, whether triton was
+    imported)."""
     env = json.dumps(starter.STARTER_ENV)
     proc = subprocess.run(
-        [sys.executable, "-c", CUDA_PROBE, env, *modules],
+        [sys.executable, "-c", CUDA_PROBE, env, triton, *modules],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    called, imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    return called, imported
 
 
-def test_the_starter_never_initialises_cuda():
-    """What the starter imports reaches none of torch's CUDA entry points: a process forked from it can use
-    CUDA. The probe does catch a module that does (bitsandbytes reads each device's compute capability)."""
+def test_the_starter_never_initialises_cuda_on_a_cuda_build(triton_folder):
+    """What the starter imports reaches none of torch's CUDA entry points on a CUDA build: a process forked from it
+    can use CUDA. The probe catches what does: transformers' model code with torchao visible (its MX kernels read
+    the compute capability, and triton's check the current device), and bitsandbytes."""
     assert starter.STARTER_ENV == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-    assert cuda_calls(starter.PRELOAD) == []
-    assert any(name == "get_device_capability" for name, _ in cuda_calls("bitsandbytes"))
+    called, imported = cuda_calls(triton_folder, starter.PRELOAD)
+    assert called == []
+    assert imported == bool(triton_folder)  # the preload's libraries did import triton where it is
+    modelling, _ = cuda_calls(triton_folder, "transformers.models.bert.modeling_bert")
+    assert any(name == "get_device_capability" and "torchao" in where for name, where in modelling), modelling
+    if triton_folder:
+        assert any(name == "current_device" for name, _ in modelling), modelling
+    bnb, _ = cuda_calls(triton_folder, "bitsandbytes")
+    assert any(name == "get_device_capability" for name, _ in bnb), bnb
+
+
+# A sitecustomize that, in the process that imports pipeline.preload (the starter alone), marks CUDA initialised
+# once that import ends, as a library that initialised the driver at import would leave it on a GPU machine.
+INITIALISING = """
+import importlib.abc, importlib.machinery, sys
+
+class Initialising(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "pipeline.preload":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            import torch
+            torch.cuda._initialized = True
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, Initialising())
+"""
+
+
+def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_start_cold(tmp_path):
+    """Where CUDA is initialised once the starter has imported what it preloads, the starter forks nothing: the
+    command's jobs start cold and finish, with one line saying why; the next command reads the starter's log and
+    starts its jobs cold at once, with the same reason."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(INITIALISING)
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "TEST_TAG": str(tmp_path)}
+    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sweep_runs(tmp_path)[1]
+    assert [r.data.tags["job_start"] for r in runs] == ["cold", "cold"]
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    reason = f"CUDA was initialised by the imports of {starter.PRELOAD} (a fork cannot use it)"
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"the job starter serves no job ({reason}): this command's jobs start cold"
+    ), lines
+    again = run_cli(tmp_path, "-m", "seed=2", *TINY, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = [line for line in again.stderr.splitlines() if line.startswith("[job]")]
+    assert lines == [f"[job] no job starter ({reason}): jobs start cold"]
+    assert starter_processes(str(tmp_path)) == (None, [])
 
 
 # figures that depend on the machine's speed or on the process, not on the job
