@@ -165,6 +165,29 @@ class MemoryBudgetExceeded(torch.OutOfMemoryError):
         self.figures_mb = {"memory_allocated_mb": live_bytes / MB}
 
 
+class OutsideBudgetExceeded(torch.OutOfMemoryError):
+    """On CUDA, what the caching allocator reserves plus what the job holds outside it (a paged optimizer's
+    state in managed memory) past `memory_budget_mb`."""
+
+    def __init__(self, budget_bytes: int, reserved_bytes: int, outside_bytes: int):
+        total, budget = distinct_mb(reserved_bytes + outside_bytes, budget_bytes)
+        super().__init__(
+            f"memory budget of {budget} MB exceeded: {total} MB = {reserved_bytes / MB:.1f} MB reserved by the "
+            f"caching allocator + {outside_bytes / MB:.1f} MB of paged optimizer state (managed memory)"
+        )
+        self.figures_mb = {
+            "memory_allocated_mb": torch.cuda.memory_allocated() / MB,
+            "memory_reserved_mb": reserved_bytes / MB,
+            "paged_state_mb": outside_bytes / MB,
+        }
+
+
+def allocator_fraction(budget_bytes: int, outside_bytes: int, total_bytes: int) -> float:
+    """The share of the device the caching allocator may reserve under a budget of which `outside_bytes` are
+    held outside it (a paged optimizer's state): (budget - outside) / device memory, within 0 and 1."""
+    return min(1.0, max(0.0, (budget_bytes - outside_bytes) / total_bytes))
+
+
 class _CpuTensorPeak(TorchDispatchMode):
     """Live bytes of tensor storages created by ops inside the mode, plus a baseline of existing tensors."""
 
@@ -303,6 +326,22 @@ class PeakMemory:
         self.budget_bytes = None if budget_mb is None else int(budget_mb * MB)
         self.peak_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
+        self.outside_bytes = 0  # held outside the caching allocator, counted against the budget (CUDA)
+
+    def hold_outside(self, nbytes: int) -> None:
+        """CUDA: `nbytes` are held outside the caching allocator from now on (a paged optimizer's state, in
+        managed memory): under a budget the allocator's cap shrinks by them, and what it reserves already plus
+        them past the budget is an out-of-memory now (OutsideBudgetExceeded)."""
+        self.outside_bytes = nbytes
+        if self.budget_bytes is None or self.device.type != "cuda" or not nbytes:
+            return
+        reserved = torch.cuda.memory_reserved(self.device)
+        if reserved + nbytes > self.budget_bytes:
+            raise OutsideBudgetExceeded(self.budget_bytes, reserved, nbytes)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            allocator_fraction(self.budget_bytes, nbytes, total), self.device
+        )
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -538,6 +577,8 @@ class TrainingMemory:
         if self._depth:
             return
         self.optimizer_steps += 1
+        if not self.on_cpu and self.optimizer_steps == 1:  # the state exists now: its paged part, once
+            self.cuda.hold_outside(paged_state_size(self._optimizer).bytes)
         if self.breakdown is not None:
             self.breakdown.optimizer_step_ended(self._optimizer)
         self._end_step(stepped=True)

@@ -372,3 +372,59 @@ def test_layerwise_state_is_tracked_as_optimizer_state_at_the_peak():
     largest = max(p.numel() * p.element_size() for p in model.parameters()) / MB
     assert galore["peak_grads_mb"] <= largest * 1.001
     assert galore["peak_optimizer_mb"] > 0.9 * galore["peak_params_mb"] * 2  # Adam moments, mostly full
+
+
+class SimulatedCuda:
+    """torch.cuda's allocator calls as on a device of `total` bytes, whose caching allocator reserves
+    `reserved` bytes: the calls PeakMemory makes are answered, and its cap (the per-process fraction)
+    recorded."""
+
+    def __init__(self, monkeypatch, total: int, reserved: int):
+        self.fractions = []
+        properties = type("Properties", (), {"total_memory": total})()
+        for name, value in [
+            ("synchronize", None),
+            ("reset_peak_memory_stats", None),
+            ("memory_reserved", reserved),
+            ("memory_allocated", reserved),
+            ("max_memory_allocated", reserved),
+            ("max_memory_reserved", reserved),
+            ("get_device_properties", properties),
+        ]:
+            monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
+        monkeypatch.setattr(
+            torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: self.fractions.append(f)
+        )
+
+
+def test_a_paged_optimizers_state_counts_against_the_budget_on_cuda(monkeypatch):
+    """Paged state lives in managed memory, outside the caching allocator that a budget caps: once it exists,
+    the cap shrinks by it, and what the allocator reserves plus it past the budget is an out-of-memory."""
+    from pipeline.memory import OutsideBudgetExceeded
+
+    cuda = SimulatedCuda(monkeypatch, total=1000 * MB, reserved=60 * MB)
+    with PeakMemory(torch.device("cuda", 0), budget_mb=100) as peak:
+        peak.hold_outside(30 * MB)
+        with pytest.raises(
+            OutsideBudgetExceeded, match=r"budget of 100.0 MB exceeded: 110.0 MB = 60.0 MB reserved"
+        ):
+            peak.hold_outside(50 * MB)
+    assert cuda.fractions == [0.1, 0.07, 1.0]  # the budget, less the paged state, lifted at the end
+
+
+def test_training_memory_counts_the_paged_state_after_the_first_optimizer_step(monkeypatch):
+    """The training tracker hands the paged part of the state to the CUDA peak once the first optimizer step
+    has made it (bitsandbytes marks paged tensors `is_paged`)."""
+    from pipeline.memory import TrainingMemory
+
+    cuda = SimulatedCuda(monkeypatch, total=1000 * MB, reserved=10 * MB)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    paged = torch.zeros(5 * MB // 4)
+    paged.is_paged = True
+    with TrainingMemory(torch.device("cuda", 0), model, budget_mb=100, breakdown_na="n/a") as tracker:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.state[model.weight]["paged"] = paged
+        optimizer.step()
+    assert tracker.cuda.outside_bytes == 5 * MB
+    assert cuda.fractions == [0.1, 0.095, 1.0]
