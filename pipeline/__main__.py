@@ -83,7 +83,9 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt as err:
         sweep.mark_killed()  # what a parallel worker, torn down with the sweep, could not mark itself
-        print(f"\n[sweep] interrupted ({err or 'Ctrl-C'}): the running job and the sweep are marked KILLED")
+        print(
+            f"\n[sweep] interrupted ({str(err) or 'Ctrl-C'}): the running job and the sweep are marked KILLED"
+        )
         sys.exit(130)
     except SystemExit as err:
         if err.code == 1:  # Hydra reported a crash of the launching process

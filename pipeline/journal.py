@@ -21,10 +21,22 @@ from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
 from pipeline.tracking import DESCRIPTION, Tracker
 
 UNRECORDED_FILE = "unrecorded.json"
-RECORD_KEY = "record_key"
-KILLED_BY = {
-    "cancelled": "KILLED"
-}  # failure reasons that end a run KILLED (a person stopped it), not FAILED  # tag of a run created from an entry: a second `record` finds it instead of a twin
+RECORD_KEY = "record_key"  # tag of a run created from an entry: a second `record` finds it instead of a twin
+KILLED_BY = {"cancelled": "KILLED"}  # failure reasons that end a run KILLED (a person stopped it), not FAILED
+
+
+def status_of(failure_reason: str | None) -> str:
+    """The status a run ends with: FINISHED without a failure, KILLED for one a person caused, else FAILED."""
+    return "FINISHED" if failure_reason is None else KILLED_BY.get(failure_reason, "FAILED")
+
+
+def awaits_outcome(run) -> bool:
+    """Whether `run` holds no outcome of its job yet: still RUNNING, or ended FAILED or KILLED by its sweep
+    (the launching process ends the runs it leaves behind as it fails or is stopped) without its job's failure
+    recorded in it (no `failure_reason` tag)."""
+    if run.info.status == "RUNNING":
+        return True
+    return run.info.status in ("FAILED", "KILLED") and "failure_reason" not in run.data.tags
 
 
 def now_ms() -> int:
@@ -125,13 +137,13 @@ def _run_id(tracker: Tracker, record: dict) -> str:
 
 def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     """Put a job's waiting outcome in the store and remove its entry; (run id, status). Idempotent: a run the
-    store already holds as ended is left as it is."""
+    store already holds with an outcome is left as it is (awaits_outcome)."""
     job_dir = Path(job_dir)
     entry_ = read(job_dir)
     run_id = _run_id(tracker, entry_)
     failure = entry_["failure"]
-    status = "FINISHED" if not failure else KILLED_BY.get(failure["reason"], "FAILED")
-    if tracker.status(run_id) == "RUNNING":
+    status = status_of(failure and failure["reason"])
+    if awaits_outcome(tracker.client.get_run(run_id)):
         # the params and tags the run opened with, and those known only once the job ran (how its process
         # started, the result's), all in one call
         params, tags = entry_["params"], entry_["tags"]

@@ -1,6 +1,7 @@
 """`python -m pipeline.record FOLDER ...`: put into MLflow the outcomes that waited because the store did not
 answer when their job ended (pipeline.journal), each into the store, experiment and parent run it was meant
-for, then close the parent runs of the sweeps that ended meanwhile. Running it again records nothing twice."""
+for, and the results whose runner ended before it wrote their outcome down (a result.json with no run holding
+it); then close the parent runs of the sweeps that ended meanwhile. Running it again records nothing twice."""
 
 from __future__ import annotations
 
@@ -8,8 +9,42 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline import journal, sweep
-from pipeline.tracking import Tracker
+from pipeline import journal, runner, sweep
+from pipeline.job import CONFIG_FILE, RESULT_FILE
+from pipeline.tracking import Tracker, store_uri
+
+
+def left_results(folder: Path) -> list[Path]:
+    """The job folders under `folder` (itself included) holding a result its job wrote with no journal entry
+    beside it: a result whose runner ended before it wrote its outcome down (killed with its job's scheduler
+    allocation, or the launching process of a single run killed outright)."""
+    return sorted(
+        path.parent
+        for path in Path(folder).glob(f"**/{RESULT_FILE}")
+        if (path.parent / CONFIG_FILE).exists() and not (path.parent / journal.UNRECORDED_FILE).exists()
+    )
+
+
+def record_left_results(folder: Path) -> list[tuple[str, str]]:
+    """Record each left result under `folder` whose run holds no outcome (it is RUNNING, or its sweep ended it
+    FAILED or KILLED without its job's outcome): (run id, status) of each recorded."""
+    from omegaconf import OmegaConf
+
+    done = []
+    for job_dir in left_results(folder):
+        cfg = OmegaConf.load(job_dir / CONFIG_FILE)
+        ids = sweep.sweep_ids(job_dir.parent)
+        if ids is None:  # a single run: its store and experiment, no parent
+            tracker = Tracker.opened(store_uri(cfg.tracking.uri, cfg.outputs_dir), cfg.outputs_dir)
+            ids = {
+                "tracking_uri": tracker.uri,
+                "experiment_id": tracker.experiment_id(cfg.tracking.experiment),
+                "parent_run_id": None,
+            }
+        recorded = runner.record_left(cfg, ids, job_dir, [], None)
+        if recorded is not None:
+            done.append(recorded)
+    return done
 
 
 def close_ended_sweeps(folder: Path) -> list[str]:
@@ -51,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     recorded, closed = 0, 0
     for folder in args.folders:
         done, left, why = journal.record_all(folder)
+        if not left:
+            try:  # results whose runner ended before it wrote their outcome down
+                done += record_left_results(folder)
+            except Exception as err:
+                left, why = [folder], journal.first_line(err)
         recorded += len(done)
         for run_id, status in done:
             print(f"[record] run {run_id} recorded ({status})")

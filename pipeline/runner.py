@@ -340,6 +340,53 @@ def follow_rank(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict) -> 
     return Outcome(name, "FINISHED")
 
 
+def record_left(
+    cfg: DictConfig, sweep: dict, job_dir: Path, overrides: list[str], failure: Failure | None, tags=None
+):
+    """A point whose runner ended before it recorded the outcome (a scheduler cancelled the job before its code
+    ran, or killed the job with its runner), recorded from its job folder as its runner would have: a journal
+    entry waiting is recorded; else a result the job process wrote is recorded FINISHED; else `failure`. Into
+    the run its runner opened, where that holds no outcome yet (pipeline.journal.awaits_outcome), else into a
+    new run under the sweep's parent (with `tags`: the scheduler's ids). (run id, status), or None where its run
+    holds an outcome already."""
+    from pipeline import journal
+    from pipeline.tracking import Tracker
+
+    tracker = Tracker.opened(sweep["tracking_uri"], cfg.outputs_dir)
+    job_dir = Path(job_dir)
+    if not (job_dir / journal.UNRECORDED_FILE).exists():
+        run = tracker.job_run(sweep["experiment_id"], job_dir)
+        if run is not None and not journal.awaits_outcome(run):
+            return None
+        job_dir.mkdir(parents=True, exist_ok=True)
+        if not (job_dir / CONFIG_FILE).exists():
+            save_config(cfg, job_dir)
+        if (job_dir / RESULT_FILE).exists():
+            failure = None
+        elif failure is not None:
+            (job_dir / ERROR_FILE).write_text(failure.text)
+        else:
+            return None  # nothing to record: no result, no failure known
+        entry = journal.entry(
+            tracking_uri=tracker.uri,
+            experiment_id=sweep["experiment_id"],
+            name=run_name(cfg),
+            run_id=run and run.info.run_id,
+            parent_run_id=sweep["parent_run_id"],
+            tags={
+                "job_dir": str(job_dir.resolve()),
+                "config_hash": config_hash(cfg),
+                **({"overrides": " ".join(overrides)} if overrides else {}),  # (else the run's own stays)
+                **(tags or {}),
+            },
+            params=job_params(cfg),
+            start_time=run.info.start_time if run is not None else journal.now_ms(),
+            failure=failure,
+        )
+        journal.write(job_dir, entry)
+    return journal.record(tracker, job_dir)
+
+
 @functools.cache
 def earlier_sweep_dirs(tracker, experiment_id: str) -> list[str]:
     """The folders the experiment's sweeps ran in, asked once per process (a sweep's own is its Hydra
@@ -509,7 +556,8 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
             return Outcome(name, "UNRECORDED", score, reason=f"waits in {job_dir}")
         if failure is None:
             return Outcome(name, "FINISHED", score)
-        print(f"[job] {name} FAILED ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
+        status = journal.status_of(failure.reason)  # as the run ends: KILLED for a cancel, else FAILED
+        print(f"[job] {name} {status} ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
         return Outcome(name, "FAILED", reason=failure.line)
     except BaseException as err:  # Ctrl-C / SIGTERM (the job process is already killed)
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"

@@ -228,20 +228,33 @@ def restarts() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
-def job_state() -> str:
-    """SLURM's state of this job now (CANCELLED, REQUEUED, TIMEOUT, RUNNING, COMPLETING...), '' if unknown."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return ""
+def _show_job(job: str) -> str:
+    """`scontrol show job JOB` (SLURM keeps an ended job there for MinJobAge, 300 s by default), '' if unknown."""
     try:
         done = subprocess.run(
             ["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30, check=True
         )
     except (OSError, subprocess.SubprocessError):
         return ""
-    found = re.search(r"JobState=(\S+)", done.stdout)
+    return done.stdout
+
+
+def state_of(job: str) -> str:
+    """SLURM's state of job JOB (`12` or an array task `12_3`): CANCELLED, TIMEOUT, COMPLETED ..., '' if
+    unknown (accounting need not be on)."""
+    found = re.search(r"JobState=(\S+)", _show_job(job))
+    return found.group(1) if found else ""
+
+
+def job_state() -> str:
+    """SLURM's state of this job now (CANCELLED, REQUEUED, TIMEOUT, RUNNING, COMPLETING...), '' if unknown."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    shown = _show_job(job)
+    found = re.search(r"JobState=(\S+)", shown)
     state = found.group(1) if found else ""
-    restarted = re.search(r"Restarts=(\d+)", done.stdout)
+    restarted = re.search(r"Restarts=(\d+)", shown)
     if restarted and int(restarted.group(1)) > restarts():  # requeued while this process ran
         return "REQUEUED"
     return state

@@ -270,6 +270,10 @@ class SweepCallback(Callback):
             sys.exit(2)
         if OmegaConf.select(config, "launcher.name") == "slurm":
             scheduled(config)  # sbatch would refuse the jobs: one line, before any run opens
+        if OmegaConf.select(config, "launcher.name") in ("slurm", "submitit_local"):
+            from pipeline import scheduled as submitted
+
+            submitted.collect_each()  # a job that leaves no result is its point's outcome alone
         claim_sweep_dir(config)  # another sweep started in the same second has its own folder
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -329,6 +333,9 @@ class SweepCallback(Callback):
         if ids is None:
             return
         tracker = Tracker.for_config(config)
+        from pipeline import scheduled as submitted
+
+        lost = submitted.record_lost(ids)  # jobs a scheduler ended before they recorded their point
         # outcomes that waited for the store (it was away when their job ended) go in now if it is back
         _, left, err = journal.record_all(sweep_dir, tracker)
         RESULT.unrecorded[:] = [str(path) for path in left]
@@ -336,6 +343,7 @@ class SweepCallback(Callback):
             try:
                 metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
                 close(tracker, ids, sweep_dir, Path(config.outputs_dir), metric)
+                RESULT.failed.extend(lost)  # points with no run to count them
                 return
             except Exception as error:  # the store went away at the very end
                 err = journal.first_line(error)

@@ -266,6 +266,11 @@ class Tracker:
         opened once per process: a sweep's launching process opens it once for all its jobs."""
         return _opened(store_uri(cfg.tracking.uri, cfg.outputs_dir), str(cfg.outputs_dir))
 
+    @classmethod
+    def opened(cls, uri: str, outputs_dir: str | Path) -> Tracker:
+        """The store at `uri`, opened once per process."""
+        return _opened(uri, str(outputs_dir))
+
     def experiment_id(self, name: str) -> str:
         """Get or create the experiment, marked as a model-training one; on a local store its artifacts go to
         outputs_dir/mlartifacts. Processes creating it at once get the same one: under the creation lock on
@@ -426,6 +431,16 @@ class Tracker:
         return self.client.search_runs(
             [experiment_id], filter_string=f"attributes.run_id IN ({listed})", max_results=10000
         )
+
+    def job_run(self, experiment_id: str, job_dir) -> object | None:
+        """The latest run a runner opened for the job folder `job_dir` (its tag job_dir), if any."""
+        found = self.client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.job_dir = '{Path(job_dir).resolve()}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return found[0] if found else None
 
     def child_runs(self, experiment_id: str, parent_run_id: str, status: str | None = None):
         """The runs under a parent run (a sweep's jobs), those of one status when given."""

@@ -285,12 +285,22 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 KillWait=5
 MinJobAge=300
+Prolog={folder}/prolog.sh
 InactiveLimit=0
 MessageTimeout=20
 SlurmctldTimeout=30
 SlurmdTimeout=60
 NodeName={host} CPUs={cpus} RealMemory={memory} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+
+
+PROLOG_HOLD_S = 120
+# run by slurmd before each job's own code (the batch script): it waits while the folder holds `hold`
+PROLOG = """#!/bin/sh
+end=$(($(date +%s) + {seconds}))
+while [ -e {folder}/hold ] && [ "$(date +%s)" -lt "$end" ]; do sleep 0.2; done
+exit 0
 """
 
 
@@ -320,6 +330,20 @@ class Slurm:
         """The job ids squeue lists (all states it shows)."""
         done = self.command("squeue", "-h", "-o", "%i")
         return done.stdout.split()
+
+    def running(self) -> list[str]:
+        """The ids of the jobs squeue shows RUNNING (held in the prolog too), array tasks as `<array>_<task>`."""
+        return self.command("squeue", "-h", "-t", "R", "-o", "%i").stdout.split()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Jobs that start in this block wait in SLURM's prolog (RUNNING to squeue, none of their own code
+        started) until it ends, or for PROLOG_HOLD_S at most."""
+        (self.folder / "hold").touch()
+        try:
+            yield
+        finally:
+            (self.folder / "hold").unlink(missing_ok=True)
 
     def stop(self) -> None:
         """scancel whatever is left, then slurmd, slurmctld and munged, each by its PID."""
@@ -358,6 +382,8 @@ def start_slurm(folder: Path | None = None, cpus: int | None = None) -> Slurm:
         memory=_real_memory_mb(),
     )
     (folder / "slurm.conf").write_text(conf)
+    (folder / "prolog.sh").write_text(PROLOG.format(folder=folder, seconds=PROLOG_HOLD_S))
+    (folder / "prolog.sh").chmod(0o755)
     # munge: a key of our own (copied from the system's, else made), its socket in the folder
     key = folder / "munge.key"
     if Path("/etc/munge/munge.key").exists():
@@ -410,21 +436,22 @@ def main(argv: list[str]) -> int:
     if kind == "postgres":
         pg = start_postgres()
         print(f"PostgreSQL up in {pg.folder}; store: {pg.create_database('mlflow')}", flush=True)
-        stop = pg.stop
+        stop, folder = pg.stop, pg.folder
     else:
         cluster = start_slurm()
         print(
             f"SLURM node {cluster.host} idle; in another shell:\n  export SLURM_CONF={cluster.conf}",
             flush=True,
         )
-        stop = cluster.stop
+        stop, folder = cluster.stop, cluster.folder
     try:
         signal.pause()
     except KeyboardInterrupt:
         pass
     finally:
         stop()
-        print(f"{kind} stopped", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)  # its data, logs and sockets: nothing left in the temp folder
+        print(f"{kind} stopped, {folder} removed", flush=True)
     return 0
 
 

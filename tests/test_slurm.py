@@ -114,6 +114,37 @@ def test_a_job_cancelled_from_outside_ends_killed_with_that_reason_and_the_sweep
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # 4 tiny jobs, 2 at a time, one of them cancelled in SLURM's prolog (about a minute)
+def test_a_job_cancelled_before_its_code_runs_is_killed_and_every_other_point_is_recorded(
+    slurm_cluster, tmp_path
+):
+    """A job cancelled while SLURM holds it in its prolog (RUNNING to squeue, none of its code started) leaves
+    no result for submitit to collect: its point is one KILLED run with reason `cancelled`, the 3 others
+    FINISHED with their figures, and the sweep ends with its summary, no traceback, exit 1."""
+    with slurm_cluster.held():
+        sweep = start_sweep(tmp_path, "seed=0,1,2,3", *TINY, *ONE_CORE)
+        job = wait_for(
+            lambda: next((j for j in slurm_cluster.running() if j.endswith("_0")), None),
+            "job 0 RUNNING",
+            sweep=sweep,
+        )
+        slurm_cluster.command("scancel", job)
+    out, err = sweep.communicate(timeout=WAIT_S)
+    assert sweep.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "UncompletedJobError" not in err, err[-3000:]
+    assert "[sweep] 4 jobs: 3 finished, 1 failed" in out, out[-3000:]
+    runs = runs_by_seed(tmp_path)
+    assert sorted(runs) == ["0", "1", "2", "3"]
+    cancelled = runs["0"]
+    assert cancelled.info.status == "KILLED"
+    assert cancelled.data.tags["failure_reason"] == "cancelled"
+    assert cancelled.data.tags["error"].startswith(f"SLURM cancelled job {job} ")
+    for seed in "123":
+        assert runs[seed].info.status == "FINISHED" and "eval_f1" in runs[seed].data.metrics, seed
+    assert sweep_runs(tmp_path)[0].info.status == "FAILED"
+    assert (tmp_path / "report").is_dir()
+
+
 def _job_of(tmp_path, max_steps: str) -> str | None:
     """The SLURM job id its runner tagged the run of the point with that max_steps (once it is open)."""
     if not (tmp_path / "mlflow.db").exists():

@@ -444,3 +444,41 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
         assert len(client.search_runs([parent.info.experiment_id])) == 5
     finally:
         stop_mlflow_server(server)
+
+
+# ---- a result whose runner ended before it recorded it ---------------------------------------------------
+
+
+def test_a_result_on_disk_whose_run_its_sweep_marked_failed_is_recorded_by_pipeline_record(tmp_path):
+    """A job wrote its result.json, then its runner ended before it wrote the outcome down (a scheduler killed
+    it with the job's allocation) and the launching process, failing, marked the run FAILED with no metrics:
+    `python -m pipeline.record <sweep folder>` finds the result and records it into that run, FINISHED with its
+    figures, as the runner would have; a second call records nothing."""
+    done = run_cli(tmp_path, "-m", "seed=0", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sweep_file,) = tmp_path.glob("multirun/*/mlflow_sweep.json")
+    ids = json.loads(sweep_file.read_text())
+    client = MlflowClient(ids["tracking_uri"])
+    (finished,) = client.search_runs(
+        [ids["experiment_id"]], f"tags.mlflow.parentRunId = '{ids['parent_run_id']}'"
+    )
+    # the same point as its runner opened it, ended FAILED by the launching process, its metrics never logged
+    client.delete_run(finished.info.run_id)
+    keep = ("job_dir", "overrides", "config_hash", "mlflow.parentRunId")
+    run = client.create_run(
+        ids["experiment_id"], tags={k: finished.data.tags[k] for k in keep}, run_name=finished.info.run_name
+    )
+    client.set_terminated(run.info.run_id, "FAILED")
+
+    def record() -> str:
+        command = [sys.executable, "-m", "pipeline.record", str(sweep_file.parent)]
+        out = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert f"[record] run {run.info.run_id} recorded (FINISHED)" in record()
+    recorded = client.get_run(run.info.run_id)
+    assert recorded.info.status == "FINISHED"
+    assert recorded.data.metrics == finished.data.metrics
+    assert recorded.data.params == finished.data.params
+    assert "nothing waits to be recorded" in record()
