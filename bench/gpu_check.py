@@ -1,47 +1,422 @@
-"""`make test-gpu`: the GPU check as one script that always gets to its sweep and report.
+"""`make test-gpu`: what the pipeline measures on a GPU, checked against what it should be, in under 8 minutes.
 
-1. the gpu-marked tests (`pytest -m gpu`), results read from their JUnit XML;
-2. a short real sweep (both backends, five optimizers, model=minilm) into its own store;
-3. the plan's predicted peak against the measured one on the device (bench/plan_accuracy.py, a subset);
-4. the comparison report of that sweep;
-5. one summary table (what passed, what was skipped and why, the sweep's figures), printed, written to
-   OUT/summary.md and into docs/gpu.md between the gpu-check markers.
+First the GPUs: torch must see the GPUs `nvidia-smi -L` lists (a torch wheel that does not match the driver sees
+none); when it does not, the check stops there with one line and fails. Then each step runs as a process group of
+its own under a time-out (at the deadline the group gets SIGTERM, then SIGKILL GRACE_S later, and the step fails
+as "timed out after N s"), and its figures are checked, each a named check of the summary:
 
-A failing step never stops the next one; the exit code is 1 when any step failed. Job processes are counted
-up front (each costs a process start-up, imports and CUDA set-up: ~8 s measured on 2 CPU cores, see
-bench/RESULTS.md) so the whole check stays short by construction.
+1. known_allocation: the pipeline's peak tracker (pipeline.memory.PeakMemory) around a 256 MiB tensor;
+2. sweep: model=minilm, both backends x adamw, adafactor, adamw_8bit: every job finishes on the GPU, and each
+   one's peak is within 5% of the plan's prediction (`peak_memory_mb` against `predicted_peak_mb`, read from the
+   sweep's MLflow store);
+3. budget: launcher=parallel (jobs started warm), batch 4096, 8 and 32 within memory_budget_mb=2000: batch 4096
+   ends as one FAILED run with reason `oom` while the sweep goes on, and the other two each record their own
+   peak (within 5% of their own plans, the larger batch's the larger);
+4. batch_search: find_batch_size=true on the Trainer backend within 1000 MB ends with a batch;
+5. ddp: a 2-rank Trainer DDP job over NCCL (launcher.nproc_per_job=2), skipped with fewer than 2 GPUs.
+
+The step time-outs on one GPU sum to less than 8 minutes with the script's own work (`one_gpu_budget_s`). The
+summary (steps, checks with measured against expected, the sweep's figures) is printed and written to
+OUT/summary.md; only when every check passed on a GPU does it also go into docs/gpu.md between the gpu-check
+markers. The exit code is 1 when a step or a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "gpu.md"
 START, END = "<!-- gpu-check:start -->", "<!-- gpu-check:end -->"
-SWEEP = (
-    "backend=trainer,accelerator optim=adamw,adafactor,adamw_8bit,paged_adamw_8bit,adamw_torchao_8bit "
-    "model=minilm train.max_steps=20"
+BUDGET_S = 8 * 60  # the whole check on one GPU
+OWN_S = 40  # the script's own work outside the steps: importing torch and MLflow, reading the stores
+GRACE_S = 5  # between a timed-out step's SIGTERM and its SIGKILL
+NVIDIA_SMI_TIMEOUT_S = 15
+PLAN_GOAL_PCT = 5.0
+KNOWN_MB = 256
+OOM_BATCH, FIT_BATCHES, BUDGET_MB = 4096, (8, 32), 2000
+SEARCH_BUDGET_MB = 1000
+SHORT = {"data.val_fraction": "0", "data.max_eval_samples": "256"}  # evaluation is not what is checked here
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    what: str
+    timeout_s: float
+    overrides: dict[str, str] = field(default_factory=dict)  # a sweep's (none: the known allocation)
+    exit_code: int = 0  # what its command should end with
+    gpus: int = 0  # skipped where fewer GPUs are visible
+
+
+STEPS = (
+    Step("known_allocation", f"PeakMemory around a {KNOWN_MB} MiB tensor", 40),
+    Step(
+        "sweep",
+        "both backends x 3 optimizers on minilm",
+        170,
+        {
+            "model": "minilm",
+            "backend": "trainer,accelerator",
+            "optim": "adamw,adafactor,adamw_8bit",
+            "train.max_steps": "20",
+            **SHORT,
+        },
+    ),
+    Step(
+        "budget",
+        f"launcher=parallel, batch {OOM_BATCH}, {FIT_BATCHES[0]}, {FIT_BATCHES[1]} within {BUDGET_MB} MB",
+        110,
+        {
+            "launcher": "parallel",
+            "model": "minilm",
+            "backend": "accelerator",
+            "optim": "adamw",
+            "batch_size": ",".join(map(str, (OOM_BATCH, *FIT_BATCHES))),
+            "memory_budget_mb": str(BUDGET_MB),
+            "train.padding": "max_length",
+            "train.max_steps": "10",
+            **SHORT,
+        },
+        exit_code=1,  # the point that runs out of memory fails
+    ),
+    Step(
+        "batch_search",
+        f"find_batch_size=true, Trainer backend, within {SEARCH_BUDGET_MB} MB",
+        80,
+        {
+            "find_batch_size": "true",
+            "model": "minilm",
+            "backend": "trainer",
+            "optim": "adamw",
+            "memory_budget_mb": str(SEARCH_BUDGET_MB),
+            **SHORT,
+        },
+    ),
+    Step(
+        "ddp",
+        "2-rank Trainer DDP over NCCL",
+        90,
+        {
+            "model": "minilm",
+            "backend": "trainer",
+            "optim": "adamw",
+            "launcher.nproc_per_job": "2",
+            "train.max_steps": "20",
+            **SHORT,
+        },
+        gpus=2,
+    ),
 )
-# the plan's accuracy on the device: one process, jobs in it (bench/plan_accuracy.py)
-ACCURACY = ["--models", "minilm,distilbert-base-cased,qwen2.5-0.5b", "--optims", "adamw,adafactor,adamw_8bit"]
-ACCURACY += ["--precisions", "fp32,bf16", "--checkpointing", "false"]
-# job processes the gpu-marked tests start on one GPU (tests/test_gpu.py, tests/test_scale.py), and on two
-TEST_JOBS = {"one GPU": 6 + 3 + 2 + 2 + 2, "two GPUs": 6 + 3 + 2 + 2 + 2 + 3}
-JOB_START_S = 8.2  # fixed overhead of one job (bench/RESULTS.md (b): start-up, imports, loading, MLflow)
-COLUMNS = {  # summary column <- MLflow metric or tag
+
+
+def one_gpu_budget_s() -> float:
+    """The longest the check can take on one GPU: nvidia-smi's time-out, each step's time-out and grace, and the
+    script's own work."""
+    return NVIDIA_SMI_TIMEOUT_S + OWN_S + sum(s.timeout_s + GRACE_S for s in STEPS if s.gpus <= 1)
+
+
+assert one_gpu_budget_s() < BUDGET_S, "the steps' time-outs on one GPU must sum under 8 minutes"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: skipped (`measured` says why)
+    measured: str
+    expected: str
+
+
+def run(command: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int, float, str]:
+    """(exit code, seconds, note) of a command whose output goes to the console and to `log`. It runs in a new
+    session (its own process group); at `timeout` the group gets SIGTERM, SIGKILL GRACE_S later, and the
+    note says it timed out. Its output is read in a thread, so the deadline holds whatever the command does
+    with its output."""
+    print(f"\n[gpu-check] $ {shlex.join(command)}  (time-out {timeout:.0f} s)", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+    def copy() -> None:  # until every process holding the pipe has closed it
+        with log.open("w") as out:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                out.write(line)
+                out.flush()
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+        note = f"exit {code}"
+    except subprocess.TimeoutExpired:
+        end_group(proc)
+        code, note = 124, f"timed out after {timeout:.0f} s"
+    reader.join(timeout=GRACE_S)  # a process outside the group may still hold the pipe: not waited for
+    return code, time.perf_counter() - start, note
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group of `proc` (a sweep then records its runs as KILLED), SIGKILL to whatever of
+    the group is left once `proc` has ended or GRACE_S have passed."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def listed_gpus(nvidia_smi: str) -> tuple[int | None, str]:
+    """How many GPUs `<nvidia_smi> -L` lists (None: no such command here), and why it failed, if it did."""
+    command = [*shlex.split(nvidia_smi), "-L"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+    except FileNotFoundError:
+        return None, ""
+    except subprocess.TimeoutExpired:
+        return 0, f"`{shlex.join(command)}` did not answer in {NVIDIA_SMI_TIMEOUT_S} s"
+    if done.returncode != 0:
+        said = (done.stdout + done.stderr).strip().splitlines()
+        return 0, f"`{shlex.join(command)}` failed: {said[0] if said else f'exit {done.returncode}'}"
+    return sum(line.startswith("GPU ") for line in done.stdout.splitlines()), ""
+
+
+def device_check(nvidia_smi: str, allow_cpu: bool) -> tuple[Check, int]:
+    """Whether torch sees the GPUs nvidia-smi lists (as many as CUDA_VISIBLE_DEVICES leaves visible), and how
+    many it sees."""
+    import torch
+
+    listed, error = listed_gpus(nvidia_smi)
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    expected = listed or 0
+    if visible is not None:
+        expected = min(expected, len([d for d in visible.split(",") if d.strip()]))
+    shown = "no nvidia-smi" if listed is None else f"nvidia-smi lists {listed}"
+    if visible is not None:
+        shown += f", CUDA_VISIBLE_DEVICES={visible!r}"
+    measured = f"torch {torch.__version__} sees {seen}; {shown}"
+    name = "GPUs: torch sees those nvidia-smi lists"
+    if error:
+        return Check(name, False, f"{error}; torch sees {seen}", "nvidia-smi answers"), seen
+    if seen < expected:
+        why = (
+            "it is a CPU-only wheel (torch.version.cuda is None)"
+            if torch.version.cuda is None
+            else f"it is built for CUDA {torch.version.cuda}: does this driver support it? (nvidia-smi's header)"
+        )
+        measured = f"{shown} but torch {torch.__version__} sees {seen}: {why}; install the torch wheel for this driver"
+        return Check(name, False, measured, f"{expected} seen"), seen
+    if seen == 0:
+        if allow_cpu:
+            return Check(
+                name, True, f"{measured}: the steps run on CPU (--allow-cpu)", "none (--allow-cpu)"
+            ), 0
+        return Check(name, False, f"{measured}: no GPU here", "at least 1 (--allow-cpu: run on CPU)"), 0
+    return Check(name, True, measured, f"{max(expected, 1)} or more seen"), seen
+
+
+def known_allocation(device: str) -> None:
+    """Print (one `gpu-check:` JSON line) the pipeline's peak tracker's figures around a KNOWN_MB MiB tensor."""
+    import torch
+
+    from pipeline import MB
+    from pipeline.memory import PeakMemory
+
+    with PeakMemory(torch.device(device)) as peak:
+        block = torch.empty(KNOWN_MB * MB, dtype=torch.uint8, device=device)
+        del block
+    print("gpu-check: " + json.dumps(peak.metrics()), flush=True)
+
+
+def known_allocation_checks(log: Path) -> list[Check]:
+    name = f"peak of a known allocation ({KNOWN_MB} MiB)"
+    lines = [
+        line
+        for line in (log.read_text().splitlines() if log.exists() else [])
+        if line.startswith("gpu-check: ")
+    ]
+    if not lines:
+        return [Check(name, False, "no figures (see known_allocation.log)", f"{KNOWN_MB} MB ± 2%")]
+    m = json.loads(lines[-1].split(" ", 1)[1])
+    peak, reserved = m["peak_memory_mb"], m.get("peak_memory_reserved_mb")
+    ok = abs(peak / KNOWN_MB - 1) <= 0.02 and (reserved is None or reserved >= peak)
+    measured = f"{peak:.2f} MB" + ("" if reserved is None else f" (reserved {reserved:.2f} MB)")
+    return [
+        Check(name, ok, measured, f"{KNOWN_MB} MB ± 2%" + ("" if reserved is None else ", reserved ≥ it"))
+    ]
+
+
+def job_runs(store: Path) -> list:
+    """The job runs (not the sweep's parent run) in an MLflow sqlite store."""
+    if not store.exists():
+        return []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store}")
+    return [
+        r
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id], max_results=1000)
+        if r.data.tags.get("kind") != "sweep"
+    ]
+
+
+def points(overrides: dict[str, str]) -> int:
+    return math.prod(len(v.split(",")) for v in overrides.values())
+
+
+def status(run) -> str:
+    reason = run.data.tags.get("failure_reason")
+    return run.info.status + (f" ({reason})" if reason else "")
+
+
+def on(run, device: str) -> bool:
+    return run.data.params.get("device", "").startswith(device)
+
+
+def peak_and_plan(run) -> tuple[float | None, float | None]:
+    m = run.data.metrics
+    return m.get("peak_memory_mb"), m.get("predicted_peak_mb")
+
+
+def within_plan(run) -> bool:
+    peak, predicted = peak_and_plan(run)
+    return bool(peak and predicted) and abs(100 * (predicted / peak - 1)) <= PLAN_GOAL_PCT
+
+
+def plan_check(run, label: str) -> Check:
+    peak, predicted = peak_and_plan(run)
+    name = f"plan within {PLAN_GOAL_PCT:g}%: {label}"
+    if peak is None or predicted is None:
+        return Check(name, False, f"peak {peak} MB, predicted {predicted} MB", "both recorded")
+    error = 100 * (predicted / peak - 1)
+    return Check(
+        name, within_plan(run), f"{peak:.1f} MB ({error:+.1f}%)", f"{predicted:.1f} MB ± {PLAN_GOAL_PCT:g}%"
+    )
+
+
+def sweep_checks(runs: list, overrides: dict[str, str], device: str) -> list[Check]:
+    n = points(overrides)
+    finished = sorted(
+        (r for r in runs if r.info.status == "FINISHED"),
+        key=lambda r: (r.data.params.get("backend", ""), r.data.params.get("optim", "")),
+    )
+    there = [r for r in finished if on(r, device)]
+    checks = [
+        Check(
+            "sweep: every job finished on the device",
+            len(there) == len(runs) == n,
+            f"{len(there)} of {len(runs)} FINISHED on {device}",
+            f"{n} FINISHED on {device}",
+        )
+    ]
+    for r in finished:
+        checks.append(plan_check(r, f"{r.data.params.get('backend')} {r.data.params.get('optim')}"))
+    return checks
+
+
+def budget_checks(runs: list, device: str) -> list[Check]:
+    by_batch = {int(r.data.params.get("batch_size", 0)): r for r in runs}
+    big = by_batch.get(OOM_BATCH)
+    fit = [by_batch.get(b) for b in FIT_BATCHES]
+    shown = "; ".join(f"batch {b}: {status(r)}" for b, r in sorted(by_batch.items())) or "no runs"
+    oom = Check(
+        f"out of memory: batch {OOM_BATCH} one FAILED run (oom), the sweep goes on",
+        big is not None
+        and big.info.status == "FAILED"
+        and big.data.tags.get("failure_reason") == "oom"
+        and all(r is not None and r.info.status == "FINISHED" for r in fit)
+        and len(runs) == 1 + len(FIT_BATCHES),
+        shown,
+        f"batch {OOM_BATCH}: FAILED (oom); " + "; ".join(f"batch {b}: FINISHED" for b in FIT_BATCHES),
+    )
+    name = "warm jobs in parallel: each its own peak"
+    if any(r is None or r.info.status != "FINISHED" for r in fit):
+        return [oom, Check(name, False, shown, "both FINISHED")]
+    peaks = [peak_and_plan(r) for r in fit]
+    starts = [r.data.tags.get("job_start") for r in fit]
+    ok = (
+        all(s == "warm" for s in starts)
+        and all(on(r, device) and within_plan(r) for r in fit)
+        and peaks[0][0] < peaks[1][0]
+    )
+    measured = ", ".join(f"{b}: {p or 0:.1f} MB" for b, (p, _) in zip(FIT_BATCHES, peaks, strict=True))
+    measured += f"; started {'/'.join(map(str, starts))} on {', '.join(r.data.params.get('device', '?') for r in fit)}"
+    expected = ", ".join(f"{b}: {q or 0:.1f} MB" for b, (_, q) in zip(FIT_BATCHES, peaks, strict=True))
+    expected += f" (own plans ± {PLAN_GOAL_PCT:g}%, larger batch larger); started warm on {device}"
+    return [oom, Check(name, ok, measured, expected)]
+
+
+def batch_search_checks(runs: list, device: str) -> list[Check]:
+    name = "find_batch_size on the Trainer backend"
+    if len(runs) != 1:
+        return [Check(name, False, f"{len(runs)} runs", "1 run")]
+    r, m = runs[0], runs[0].data.metrics
+    budget = float(r.data.params.get("memory_budget_mb", "nan"))
+    batch, peak = m.get("max_batch_size"), m.get("max_batch_peak_memory_mb")
+    ok = r.info.status == "FINISHED" and on(r, device) and bool(batch) and peak is not None and peak <= budget
+    measured = f"{status(r)} on {r.data.params.get('device')}: batch {batch and int(batch)}, peak {peak and round(peak, 1)} MB"
+    expected = f"FINISHED on {device}, a batch ≥ 1 with its peak ≤ {budget:g} MB"
+    if m.get("predicted_max_batch_size"):
+        expected += f" (plan: batch {int(m['predicted_max_batch_size'])})"
+    return [Check(name, ok, measured, expected)]
+
+
+def ddp_checks(runs: list) -> list[Check]:
+    name = "2-rank Trainer DDP over NCCL"
+    expected = "FINISHED on cuda, world size 2, parameters in sync, a peak per rank"
+    if len(runs) != 1:
+        return [Check(name, False, f"{len(runs)} runs", expected)]
+    r, m = runs[0], runs[0].data.metrics
+    ranks = [m.get(f"peak_memory_mb_rank{i}") for i in (0, 1)]
+    ok = (
+        r.info.status == "FINISHED"
+        and on(r, "cuda")
+        and r.data.params.get("world_size") == "2"
+        and m.get("params_in_sync") == 1
+        and all(ranks)
+    )
+    measured = (
+        f"{status(r)} on {r.data.params.get('device')}, world size {r.data.params.get('world_size')}, "
+        f"in sync {m.get('params_in_sync')}, peaks {' / '.join(f'{p or 0:.1f}' for p in ranks)} MB"
+    )
+    return [Check(name, ok, measured, expected)]
+
+
+COLUMNS = {  # summary column <- MLflow metric
     "state [MB]": "optimizer_state_mb",
     "estimate [MB]": "estimated_optimizer_state_mb",
-    "paged [MB]": "paged_state_mb",
     "peak [MB]": "peak_memory_mb",
     "reserved [MB]": "peak_memory_reserved_mb",
     "breakdown [MB]": "peak_breakdown_mb",
@@ -50,69 +425,21 @@ COLUMNS = {  # summary column <- MLflow metric or tag
     "prediction error [%]": "predicted_peak_error_pct",
     "samples/s": "train_samples_per_second",
     "warm-up [s]": "train_warmup_s",
-    "skipped steps": "optimizer_steps_skipped",
 }
 
 
-def run(command: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    """(exit code, seconds) of a command whose output goes to the console and to `log`."""
-    print(f"\n[gpu-check] $ {shlex.join(command)}", flush=True)
-    start = time.perf_counter()
-    with log.open("w") as out:
-        try:
-            proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                out.write(line)
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = 124
-    return code, time.perf_counter() - start
-
-
-def test_rows(junit: Path) -> list[dict]:
-    """One row per test from pytest's JUnit XML: outcome, seconds, and the reason of a skip or failure."""
-    if not junit.exists():
-        return []
+def figure_rows(runs: list) -> list[dict]:
+    """The sweep's jobs: status, backend, optimizer and the figures of COLUMNS."""
     rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        outcome, reason = "passed", ""
-        for tag in ("skipped", "failure", "error"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed"}.get(tag, tag)
-                reason = (
-                    (node.get("message") or "").strip().splitlines()[0][:120] if node.get("message") else ""
-                )
-                break
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        rows.append({"test": name, "outcome": outcome, "s": float(case.get("time", 0)), "reason": reason})
-    return rows
-
-
-def sweep_rows(store: Path) -> list[dict]:
-    """The sweep's job runs: status, the settings that vary, the figures of COLUMNS."""
-    if not store.exists():
-        return []
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{store}")
-    rows = []
-    for experiment in client.search_experiments():
-        for r in client.search_runs([experiment.experiment_id], max_results=1000):
-            if r.data.tags.get("kind") == "sweep":
-                continue
-            p, m, t = r.data.params, r.data.metrics, r.data.tags
-            row = {"backend": p.get("backend"), "optim": p.get("optim"), "precision": p.get("precision")}
-            row["status"] = (
-                r.info.status if r.info.status == "FINISHED" else f"{r.info.status}: {t.get('error', '')}"
-            )
-            row |= {col: m.get(key) for col, key in COLUMNS.items()}
-            row["breakdown"] = t.get("peak_breakdown", "")
-            rows.append(row)
+    for r in runs:
+        row = {
+            "backend": r.data.params.get("backend"),
+            "optim": r.data.params.get("optim"),
+            "status": status(r),
+        }
+        row |= {col: r.data.metrics.get(key) for col, key in COLUMNS.items()}
+        row["breakdown"] = r.data.tags.get("peak_breakdown", "")
+        rows.append(row)
     return sorted(rows, key=lambda row: (row["backend"] or "", row["optim"] or ""))
 
 
@@ -130,118 +457,160 @@ def markdown(rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
 
 
-def accuracy_summary(path: Path) -> list[str]:
-    """The plan-accuracy page's verdict and worst error per model family, for the summary."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("**")), None)
-    end = next((i for i, line in enumerate(lines) if line.startswith("| model | optim")), len(lines))
-    return ["Plan against measured peak (full table: `plan-accuracy.md` in the work folder):", ""] + (
-        lines[start:end] if start is not None else []
-    )
+def result(ok: bool | None) -> str:
+    return {True: "ok", False: "FAILED", None: "skipped"}[ok]
 
 
-def device_line() -> str:
-    try:
-        import torch
+def write_docs(page: Path, text: str) -> bool:
+    """Put `text` between the gpu-check markers of `page`; False when the page has no such section."""
+    content = page.read_text() if page.exists() else ""
+    if START not in content or END not in content:
+        return False
+    head, rest = content.split(START, 1)
+    page.write_text(head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    return True
 
-        if torch.cuda.is_available():
-            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            return f"{len(names)} x {names[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-        return f"no CUDA device (torch {torch.__version__}): the gpu tests skip, the sweep runs on CPU"
-    except ImportError:
-        return "torch not importable"
+
+def step_command(step: Step, overrides: dict[str, str], folder: Path, device: str) -> list[str]:
+    if not step.overrides:  # the known allocation
+        code = f"from bench.gpu_check import known_allocation; known_allocation({device!r})"
+        return [sys.executable, "-c", code]
+    sweep = [f"{k}={v}" for k, v in overrides.items()]
+    return [sys.executable, "-m", "pipeline", "-m", *sweep, f"outputs_dir={folder}"]
+
+
+def step_checks(step: Step, overrides: dict[str, str], folder: Path, log: Path, device: str) -> list[Check]:
+    """The checks of a step's figures: from its log (the known allocation) or its sweep's MLflow store."""
+    if step.name == "known_allocation":
+        return known_allocation_checks(log)
+    runs = job_runs(folder / "mlflow.db")
+    if step.name == "sweep":
+        reports = list((folder / "report").glob("*/report.md"))
+        report = Check("sweep: its report", bool(reports), f"{len(reports)} report.md", "1 report.md")
+        return [*sweep_checks(runs, overrides, device), report]
+    if step.name == "budget":
+        return budget_checks(runs, device)
+    if step.name == "batch_search":
+        return batch_search_checks(runs, device)
+    return ddp_checks(runs)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="work folder (default: outputs/gpu-check/<time>/)")
-    parser.add_argument("--sweep", default=SWEEP, help="the sweep's overrides (default: %(default)s)")
     parser.add_argument(
-        "--pytest-args", default="", help="extra pytest arguments, e.g. '-k known_allocation'"
+        "--only", help=f"steps to run, comma-separated (default: all: {','.join(s.name for s in STEPS)})"
     )
-    parser.add_argument("--accuracy", default=shlex.join(ACCURACY), help="bench.plan_accuracy's arguments")
-    parser.add_argument("--docs", type=Path, default=DOCS, help="page whose gpu-check section is rewritten")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for every sweep (replacing the step's own for that key), e.g. --set model=tiny",
+    )
+    parser.add_argument(
+        "--nvidia-smi", default="nvidia-smi", help="the command that lists the GPUs (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without a GPU, run the steps on CPU (a check of the script itself)",
+    )
+    parser.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        help="multiplies each step's time-out (a CPU runs the steps far slower than a GPU)",
+    )
+    parser.add_argument(
+        "--docs", type=Path, default=DOCS, help="page whose gpu-check section a passing GPU run rewrites"
+    )
     parser.add_argument("--no-docs", action="store_true", help="leave the docs page alone")
-    parser.add_argument("--timeout", type=float, default=420, help="seconds for each step (default: 420)")
     args = parser.parse_args(argv)
     out = (
         args.out or ROOT / "outputs" / "gpu-check" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     ).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    sweep = shlex.split(args.sweep)
-    n_sweep = 1
-    for arg in sweep:
-        if "," in arg:
-            n_sweep *= len(arg.split("=", 1)[1].split(","))
-    device = device_line()
-    print(f"[gpu-check] {device}")
-    print(
-        f"[gpu-check] job processes: tests {TEST_JOBS['one GPU']} on one GPU ({TEST_JOBS['two GPUs']} on two), "
-        f"sweep {n_sweep}; start-up alone ~{(TEST_JOBS['one GPU'] + n_sweep) * JOB_START_S / 60:.1f} min "
-        f"at {JOB_START_S} s a job"
-    )
-    python = sys.executable
-    started = time.perf_counter()
-    steps = []
-    junit = out / "pytest.xml"
-    pytest = [python, "-m", "pytest", "-m", "gpu", "-s", "-p", "no:cacheprovider", f"--junitxml={junit}"]
-    code, seconds = run(pytest + shlex.split(args.pytest_args), out / "pytest.log", args.timeout)
-    steps.append(("gpu tests (`pytest -m gpu`)", code == 0, seconds, f"exit {code}"))
-    code, seconds = run(
-        [python, "-m", "pipeline", "-m", *sweep, f"outputs_dir={out}"], out / "sweep.log", args.timeout
-    )
-    steps.append((f"sweep `{args.sweep}`", code == 0, seconds, f"exit {code}"))
-    accuracy = out / "plan-accuracy.md"  # the plan against the device's measured peaks
-    code, seconds = run(
-        [python, "-m", "bench.plan_accuracy", *shlex.split(args.accuracy), "--out", str(accuracy)],
-        out / "plan.log",
-        args.timeout,
-    )
-    steps.append(("plan accuracy (`bench.plan_accuracy`)", code == 0, seconds, f"exit {code}"))
-    report = [python, "-m", "pipeline.report", "--tracking-uri", f"sqlite:///{out / 'mlflow.db'}"]
-    code, seconds = run(
-        [*report, "--whole-experiment", "--out", str(out / "report")], out / "report.log", 300
-    )
-    steps.append(("report (`python -m pipeline.report`)", code == 0, seconds, f"exit {code}"))
-    total = time.perf_counter() - started
+    chosen = args.only.split(",") if args.only else [s.name for s in STEPS]
+    unknown = sorted(set(chosen) - {s.name for s in STEPS})
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}: choose among {', '.join(s.name for s in STEPS)}")
+    extra = dict(item.split("=", 1) for item in args.set)
 
-    tests, jobs = test_rows(junit), sweep_rows(out / "mlflow.db")
-    failed = [s for s in steps if not s[1]] + [t for t in tests if t["outcome"] in ("failed", "error")]
-    when = datetime.now().strftime("%Y-%m-%d %H:%M")
+    started = time.perf_counter()
+    gpus_check, gpus = device_check(args.nvidia_smi, args.allow_cpu)
+    device = "cuda" if gpus else "cpu"
+    budget = one_gpu_budget_s() + sum(s.timeout_s + GRACE_S for s in STEPS if 1 < s.gpus <= gpus)
+    print(f"[gpu-check] {gpus_check.measured}")
+    print(f"[gpu-check] time-outs: {', '.join(f'{s.name} {s.timeout_s:.0f} s' for s in STEPS)}; "
+          f"on this machine at most {budget / 60:.1f} min")  # fmt: skip
+    checks, steps, figures = [gpus_check], [], []
+    if not gpus_check.ok:
+        print(f"[gpu-check] FAILED: {gpus_check.measured}", flush=True)
+    else:
+        # each step's store is its own; the data and the simulated steps are cached once for all steps
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        env.setdefault("PIPELINE_CACHE_DIR", str(out / "cache"))
+        for step in STEPS:
+            if step.name not in chosen:
+                continue
+            if gpus < step.gpus:
+                why = f"needs {step.gpus} GPUs, {gpus} visible"
+                steps.append((step, None, 0.0, why, 0.0))
+                checks.append(Check(step.what, None, why, f"{step.gpus} GPUs"))
+                continue
+            folder, log = out / step.name, out / f"{step.name}.log"
+            overrides = {**step.overrides, **extra}
+            timeout = step.timeout_s * args.timeout_scale
+            code, seconds, note = run(step_command(step, overrides, folder, device), log, timeout, env)
+            steps.append((step, code == step.exit_code, seconds, note, timeout))
+            checks += step_checks(step, overrides, folder, log, device)
+            if step.name == "sweep":
+                figures = figure_rows(job_runs(folder / "mlflow.db"))
+    total = time.perf_counter() - started
+    within = total < budget if device == "cuda" else None  # the budget is a GPU's: a CPU trains far slower
+    checks.append(
+        Check("time: the whole check", within, f"{total:.0f} s", f"< {budget:.0f} s on a GPU (its time-outs)")
+    )
+
+    failed = [s for s in steps if s[1] is False] + [c for c in checks if c.ok is False]
+    where = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     summary = [
-        f"Run {when} on {device}; Python {platform.python_version()}; took {total / 60:.1f} min "
-        f"(command: `make test-gpu`; work folder `{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}`).",
+        f"Run {datetime.now():%Y-%m-%d %H:%M} on {gpus_check.measured}; Python {platform.python_version()}; "
+        f"took {total / 60:.1f} min (command: `make test-gpu`; work folder `{where}`).",
         "",
-        "| step | result | seconds |",
-        "| --- | --- | --- |",
-        *[f"| {name} | {'ok' if ok else 'FAILED'} ({note}) | {s:.0f} |" for name, ok, s, note in steps],
+        "| step | what | result | seconds | time-out [s] |",
+        "| --- | --- | --- | --- | --- |",
+        *[
+            f"| {s.name} | {s.what} | {result(ok)} ({note}) | {seconds:.0f} | {timeout:.0f} |"
+            for s, ok, seconds, note, timeout in steps
+        ],
         "",
-        "Tests (skips need what their reason says: the two-rank NCCL / ZeRO-1 / FSDP test needs 2 GPUs):",
+        *([f"Every sweep also had `{' '.join(args.set)}` (--set).", ""] if args.set else []),
+        "| check | result | measured | expected |",
+        "| --- | --- | --- | --- |",
+        *[f"| {c.name} | {result(c.ok)} | {c.measured} | {c.expected} |" for c in checks],
         "",
-        *markdown(tests),
+        "Sweep jobs (MB = 2^20 bytes; peak = `torch.cuda.max_memory_allocated` on CUDA, the tensor tracker's peak "
+        "on CPU; reserved = `max_memory_reserved`; untracked = what the allocator held at step 2's start outside "
+        "the tensors the breakdown tracks):",
         "",
-        "Sweep jobs (MB = 2^20 bytes; peak = `torch.cuda.max_memory_allocated` on CUDA, the tensor tracker's "
-        "peak on CPU; reserved = `max_memory_reserved`; untracked = what the allocator held at step 2's start outside the tensors "
-        "the breakdown tracks; paged state lies outside the allocator):",
+        *markdown(figures),
         "",
-        *markdown(jobs),
-        "",
-        *accuracy_summary(accuracy),
-        f"**{'all steps passed' if not failed else f'{len(failed)} failed'}**",
+        f"**{'all checks passed' if not failed else f'{len(failed)} failed'}**",
     ]
     text = "\n".join(summary)
     (out / "summary.md").write_text(text + "\n")
-    (out / "summary.json").write_text(json.dumps({"steps": steps, "tests": tests, "jobs": jobs}, indent=1))
+    (out / "summary.json").write_text(
+        json.dumps({"checks": [vars(c) for c in checks], "jobs": figures}, indent=1)
+    )
     print("\n" + text)
-    if not args.no_docs and args.docs.exists():
-        page = args.docs.read_text()
-        if START in page and END in page:
-            head, rest = page.split(START, 1)
-            page = head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1]
-            args.docs.write_text(page)
-            print(f"[gpu-check] written into {args.docs}")
+    if args.no_docs:
+        pass
+    elif failed or device != "cuda":
+        print(f"[gpu-check] {args.docs} left as it is: it takes a GPU run whose every check passed")
+    elif write_docs(args.docs, text):
+        print(f"[gpu-check] written into {args.docs}")
     print(f"[gpu-check] summary: {out / 'summary.md'}")
     return 1 if failed else 0
 

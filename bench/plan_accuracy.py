@@ -18,6 +18,7 @@ by running the same command again; `--table-only` writes the table of what the C
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import platform
 import sys
@@ -41,9 +42,28 @@ PRECISIONS = ("fp32", "bf16", "bf16_pure")
 GOAL_PCT = 5.0
 
 
+def clear_between_cases(before: str) -> None:
+    """Free what the cases before left, so that the next case's peak is its own: Python's reference cycles
+    first (accelerate's mixed-precision forward wrapper keeps the model in one; `del` alone does not free it),
+    then, on CUDA, cuBLAS's workspaces and the allocator's cache. On CUDA the next case (`before`) starts only
+    from nothing allocated: anything still there would count in its peak."""
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch._C._cuda_clearCublasWorkspaces()  # as a new process, the case allocates its own (the plan counts them)
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated()
+    if left:
+        raise RuntimeError(
+            f"{left / 2**20:.1f} MB still allocated on the GPU before case {before}: tensors of an earlier case "
+            "are alive and would count in its peak"
+        )
+
+
 def case(model: str, optim: str, precision: str, checkpointing: bool, steps: int, work: Path) -> dict:
     """One real job in this process: its measured and predicted peak (MB) and the anchors' figures."""
-    import torch
     from hydra import compose, initialize_config_dir
 
     from pipeline import job, predict
@@ -64,6 +84,7 @@ def case(model: str, optim: str, precision: str, checkpointing: bool, steps: int
         *extra,
     ]
     row = {"model": model, "optim": optim, "precision": precision, "checkpointing": checkpointing}
+    clear_between_cases(f"{model} {optim} {precision} ckpt={checkpointing}")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides)
     from accelerate.state import AcceleratorState
@@ -89,8 +110,6 @@ def case(model: str, optim: str, precision: str, checkpointing: bool, steps: int
         "status": "ok",
     }
     del result
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return row
 
 

@@ -1,4 +1,4 @@
-"""CUDA checks (`make test-gpu`); skipped where torch sees no GPU."""
+"""CUDA checks (`pytest -m gpu`, apart from `make test-gpu`); skipped where torch sees no GPU."""
 
 import pytest
 import torch
