@@ -109,6 +109,23 @@ def short_mb(value: float) -> str:
     return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
 
 
+def collapse_line(cfg, metrics: dict, tags: dict) -> str | None:
+    """What a collapsed run (tag collapsed: nearly every prediction in one class) says on the console: that the
+    model did not learn, and what to try; None for a run that did not collapse."""
+    if tags.get("collapsed") != "true":
+        return None
+    share = max(metrics.get(f"{split}_top_class_share", 0) for split in ("eval", "val"))
+    if cfg.model.get("pretrained"):
+        hint = "try other rates (train.lr_scale=0.3,1,3 in a sweep) or more steps (train.max_steps)"
+    else:  # the reference rates are tuned for a pretrained model: random weights learn slowly at them
+        hint = (
+            "its weights are random (model.pretrained=false) and the optimizers' reference rates are tuned for "
+            "a pretrained model: try train.lr_scale=10 or more steps (train.max_steps), or a pretrained model "
+            "(model=minilm)"
+        )
+    return f"collapsed: {share:.0%} of the predictions in one class, the model did not learn; {hint}"
+
+
 def run_description(metrics: dict, tags: dict | None = None) -> str:
     """The run's description in MLflow: the figures that decide, within the 50 characters the runs table
     shows (its tooltip and the run page show all of it): `state 7.72 MB, peak 22.9 MB, F1 0.727`, and
@@ -145,6 +162,9 @@ def main(job_dir: Path) -> int:
         return 0
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     print(f"[job] {result_line(result['metrics'])}", flush=True)
+    collapsed = collapse_line(cfg, result["metrics"], result["tags"])
+    if collapsed:
+        print(f"[job] {collapsed}", flush=True)
     return 0
 
 

@@ -746,3 +746,37 @@ def test_an_unknown_key_is_one_line_and_exit_2(args, message, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"error: {message}"
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.slow  # two tiny jobs of 60 steps (about a minute on 2 cores)
+def test_tiny_on_a_two_class_csv_says_what_to_try_when_it_collapses_and_learns_with_it(tmp_path):
+    """The random-weight `tiny` at the reference rates (tuned on pretrained MiniLM) collapses on a small
+    two-class CSV: its line says so and what to try; at the rate it names, it learns (F1 above the collapsed
+    run's)."""
+    import random
+
+    rng = random.Random(0)
+    words = {1: "good great wonderful excellent love".split(), 0: "bad awful terrible boring hate".split()}
+    filler = "the movie film story plot acting was really quite a bit and it is this".split()
+
+    def text(label):
+        chosen = rng.sample(filler, 5) + rng.sample(words[label], 2)
+        rng.shuffle(chosen)
+        return " ".join(chosen)
+
+    for name, n in (("train.csv", 240), ("eval.csv", 80)):
+        pd.DataFrame({"text": [text(i % 2) for i in range(n)], "label": [i % 2 for i in range(n)]}).to_csv(
+            tmp_path / name, index=False
+        )
+    csv = ["data=csv", f"data.train_file={tmp_path}/train.csv", f"data.eval_file={tmp_path}/eval.csv"]
+    proc = run_cli(tmp_path, "-m", "model=tiny", *csv, "train.lr_scale=1,10", "train.max_steps=60")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[job] collapsed:")]
+    assert lines == [
+        "[job] collapsed: 100% of the predictions in one class, the model did not learn; its weights are random "
+        "(model.pretrained=false) and the optimizers' reference rates are tuned for a pretrained model: try "
+        "train.lr_scale=10 or more steps (train.max_steps), or a pretrained model (model=minilm)"
+    ], proc.stdout[-3000:]
+    runs = {float(r.data.params["lr_scale"]): r for r in sweep_runs(tmp_path)[1]}
+    assert runs[1].data.tags["collapsed"] == "true" and runs[10].data.tags["collapsed"] == "false"
+    assert runs[10].data.metrics["eval_f1"] > runs[1].data.metrics["eval_f1"] + 0.5
