@@ -8,6 +8,7 @@
 (e) throughput of 4 tiny jobs, 2 at a time against one at a time
 (f) optimizer.step() time of every registered optimizer (bench/optim_steps.py)
 (g) wall time per job of an 8-job tiny sweep of one step each, jobs started warm and cold, against the import floor
+(h) host-device synchronisations per training step of a job (both backends) and of the bare loop (bench/bare_loop.py)
 
 Every figure is a ratio of things measured in the same run, interleaved, so machine drift cancels; each is a
 median over repeats with min and max. Work files and logs go to outputs/bench/<time>/.
@@ -47,6 +48,8 @@ GOALS = {
     "sweep_job": 0.35,
 }
 SWEEP_JOBS = 8  # (g)
+# (h): 6 steps of the tiny model (its steps 2-5 counted), in one process
+SYNCS_JOB = ["model=tiny", "data.max_train_samples=128", "data.max_eval_samples=32", "train.max_steps=6"]
 FLOOR_READINGS = 3  # a repeat's import floor: the median of this many readings (one process start is noisy)
 
 
@@ -202,6 +205,13 @@ def optimizer_steps(s: Settings, work: Path) -> list[dict]:
     log = work / "optim_steps.log"
     run([PY, "-m", "bench.optim_steps", s.optim_model, str(s.optim_steps)], log)
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def host_syncs(work: Path) -> dict[str, dict]:
+    """(h) bench.bare_loop.HostSyncs' reads per step, for each backend and the bare loop."""
+    log = work / "syncs.log"
+    run([PY, "-m", "bench.bare_loop", "--syncs", *SYNCS_JOB, f"outputs_dir={work}"], log)
+    return json.loads(log.read_text().strip().splitlines()[-1])
 
 
 def overhead_s(job: dict) -> float:
@@ -425,6 +435,13 @@ def write_results(
             f"| (d) command to error, `python -m pipeline {case}` [s] | {cell(walls)} | "
             f"{verdict(statistics.median(walls), GOALS['bad_input_s'])} |"
         )
+    syncs = r.get("syncs")  # (a run measured before this row existed has none)
+    for backend in ("trainer", "accelerator") if syncs else ():
+        ok = syncs[backend]["total"] <= syncs["bare"]["total"]
+        lines.append(
+            f"| (h) host-device syncs per training step, `backend={backend}` | {syncs[backend]['total']:g} "
+            f"(bare loop {syncs['bare']['total']:g}) | ≤ the bare loop's: {'**met**' if ok else '**missed**'} |"
+        )
     walls = r["sweep"]
     seq, par = walls["one at a time"], walls.get("2 at a time")
     if seq and par:
@@ -580,6 +597,30 @@ def write_results(
             f"| warm, the sweep's first run (caches empty; measured once, before the repeats) | "
             f"{first['per_job']:.2f} | {first['per_job'] / first['floor']:.3g} |"
         )
+    if syncs:
+        lines += [
+            "",
+            "## (h) Host-device synchronisations per training step",
+            "",
+            f"`python -m bench.bare_loop --syncs {' '.join(SYNCS_JOB)}`: the job's training in one process, as "
+            "`pipeline.job` runs it, on each backend, and the bare loop of the same config; on this machine's "
+            "device. Each step's reads of a tensor's value by the host (`.item()`, `float()`, `bool()`: "
+            "`aten._local_scalar_dense`, each a wait for the device's queue on a GPU), the mean over steps "
+            "2-5; the optimizer's step and the data loader left out (`bench.bare_loop.HostSyncs`). The model's "
+            "forward: its own reads (transformers' attention-mask check), the same in every loop; the rest of "
+            "the step: what the loop reads (the bare loop: its `loss.item()`).",
+            "",
+            "| loop | per step | in the model's forward | in the rest of the step |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {name} | {syncs[key]['total']:g} | {syncs[key]['model']:g} | {syncs[key]['loop']:g} |"
+                for key, name in (
+                    ("bare", "bare PyTorch loop (`bench/bare_loop.py`)"),
+                    ("trainer", "pipeline job, `backend=trainer`"),
+                    ("accelerator", "pipeline job, `backend=accelerator`"),
+                )
+            ),
+        ]
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -656,6 +697,8 @@ def main() -> None:
     r["sweep"] = parallel_sweeps(s, work)
     say("optimizer step times")
     r["optim"] = optimizer_steps(s, work)
+    say("host-device syncs per training step")
+    r["syncs"] = host_syncs(work)
     command = "make bench-full" if args.full else "make bench"
     took = (datetime.now() - started).total_seconds()
     # kept before the page is written: `--render WORK` writes it again without measuring

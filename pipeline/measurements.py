@@ -67,6 +67,12 @@ def model_flops(model) -> tuple[int, int]:
     return n, config.num_hidden_layers * heads * head_dim
 
 
+def model_size(model) -> tuple[int, tuple[int, int]]:
+    """(parameters, model_flops) of the whole model; a backend counts them before any wrapper (FSDP) shards
+    it, after which each rank's parameters hold its shard only (TrainOutput.num_params, .flops)."""
+    return sum(p.numel() for p in model.parameters()), model_flops(model)
+
+
 def flops_per_token(flops: tuple[int, int], positions: float) -> float:
     """6 N + 12 L H Q T (model_flops) at T = `positions`, the mean padded sequence length."""
     non_embedding, attention = flops
@@ -177,7 +183,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     the registry's answer for the job (`pipeline.optimizers.choose`)."""
     spec = choice.spec
     world_size = distributed.check_world_size(cfg, "process group")
-    num_params = sum(p.numel() for p in model.parameters())
+    # the whole model's size, as the backend counted it before training (FSDP leaves the model sharded)
+    num_params, flops = (out.num_params, out.flops) if out.num_params is not None else model_size(model)
     state = optimizer_state_size(out.optimizer)
     paged = paged_state_size(out.optimizer)
     try:
@@ -208,7 +215,6 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     )
     # (the loop's time less the validation passes inside it: eval.every_steps)
     runtime = out.train_runtime_s - timer.paused_s
-    flops = model_flops(model)
     speed, speed_tags = throughput(cfg, timer, runtime, ranks, flops, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:

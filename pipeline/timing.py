@@ -16,8 +16,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 
 class StepTimer:
-    """When each training step starts (the model's forward in training mode), and the wall time of every
-    optimizer.step() inside the block (CUDA synchronised at each mark).
+    """When each training step starts (the model's forward in training mode), and the time of every
+    optimizer.step() inside the block.
 
     The time from one step's start to the next one's is one whole training step (data, forward, backward,
     optimizer, logging), whether or not its optimizer step ran: the fp16 grad scaler skips the optimizer step
@@ -26,41 +26,67 @@ class StepTimer:
     Evaluation inside the loop (periodic validation: the model's forward in eval mode) is no step's time: from
     the end of the optimizer step before it to the next step's start, it is left out of `starts_s` (which
     count training time only) and summed in `paused_s`.
+
+    On CPU each mark is `time.perf_counter()`. On CUDA it is a CUDA event recorded on the current stream,
+    which takes its time when the device reaches it: the host never waits for the device during the block,
+    and the marks are read once as it ends (one synchronisation). The figures (`starts_s`, `times_s`,
+    `paused_s`) are there once the block has ended without an exception.
     """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.starts_s: list[float] = []
         self.times_s: list[float] = []  # optimizer steps that ran
-        self._starts: list[float] = []  # a wrapper optimizer's step nests the real one: time the outermost
         self.paused_s = 0.0  # evaluation inside the loop
-        self._last_step_end: float | None = None
-        self._evaluating_since: float | None = None
+        self._cuda = torch.cuda.is_available()
+        # marks (floats, or CUDA events) until the block ends
+        self._step_marks: list[tuple] = []  # (step start, the start of the evaluation before it or None)
+        self._optimizer_marks: list[tuple] = []  # (optimizer step start, its end)
+        self._starts: list = []  # a wrapper optimizer's step nests the real one: time the outermost
+        self._last_step_end = None
+        self._evaluating_since = None
+        self._origin = None  # the first CUDA event: the others are read as times after it
 
-    def _now(self) -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def _mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._origin is None:
+            self._origin = event
+        return event
 
     def _step_started(self, module, args) -> None:
         if not module.training:  # an evaluation pass
             if self._evaluating_since is None:
-                self._evaluating_since = self._last_step_end or self._now()
+                end = self._last_step_end
+                self._evaluating_since = end if end is not None else self._mark()
             return
-        now = self._now()
-        if self._evaluating_since is not None:
-            self.paused_s += now - self._evaluating_since
-            self._evaluating_since = None
-        self.starts_s.append(now - self.paused_s)
+        self._step_marks.append((self._mark(), self._evaluating_since))
+        self._evaluating_since = None
 
     def _pre(self, optimizer, args, kwargs) -> None:
-        self._starts.append(self._now())
+        self._starts.append(self._mark())
 
     def _post(self, optimizer, args, kwargs) -> None:
         start = self._starts.pop()
         if not self._starts:
-            self._last_step_end = self._now()
-            self.times_s.append(self._last_step_end - start)
+            self._last_step_end = self._mark()
+            self._optimizer_marks.append((start, self._last_step_end))
+
+    def _read_marks(self) -> None:
+        """The marks as seconds (CUDA events: after the first one recorded, read after one synchronisation)."""
+        if self._origin is not None:
+            torch.cuda.synchronize()
+
+        def seconds(mark) -> float:
+            return mark if self._origin is None else self._origin.elapsed_time(mark) / 1000
+
+        for start, evaluating_since in self._step_marks:
+            if evaluating_since is not None:
+                self.paused_s += seconds(start) - seconds(evaluating_since)
+            self.starts_s.append(seconds(start) - self.paused_s)
+        self.times_s = [seconds(end) - seconds(start) for start, end in self._optimizer_marks]
 
     def __enter__(self):
         self._handles = [
@@ -70,9 +96,12 @@ class StepTimer:
         ]
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for handle in self._handles:
             handle.remove()
+        # (a failed job records no times: nothing waits for a device that may have failed)
+        if exc_type is None:
+            self._read_marks()
         return False
 
     @property
@@ -98,19 +127,37 @@ class StepTimer:
         return skip + 1, self.steps - 1, self.starts_s[-1] - self.starts_s[skip]
 
 
-# Dense peak TFLOP/s of common GPUs (vendor data sheets, no sparsity): (16-bit tensor core, fp32 without TF32).
-# Matched by substring of torch.cuda.get_device_name(), first match wins.
+# Dense peak TFLOP/s of common GPUs (vendor data sheets, no sparsity): (16-bit tensor core, fp32 without TF32),
+# by the exact name torch.cuda.get_device_name() gives: variants of one family differ (H100 SXM, PCIe and NVL;
+# A10G and A10; L40 and L40S), so no name stands for another.
 GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 67.0),
-    "H100": (989.0, 67.0),
-    "A100": (312.0, 19.5),
-    "L40S": (362.0, 91.6),
-    "L4": (121.0, 30.3),
-    "A10": (125.0, 31.2),
-    "RTX 4090": (165.2, 82.6),
-    "V100": (125.0, 15.7),
-    "T4": (65.0, 8.1),
+    "NVIDIA H200": (989.0, 67.0),
+    "NVIDIA H100 80GB HBM3": (989.0, 67.0),  # H100 SXM
+    "NVIDIA H100 NVL": (835.0, 60.0),
+    "NVIDIA H100 PCIe": (756.0, 51.0),
+    "NVIDIA A100-SXM4-80GB": (312.0, 19.5),
+    "NVIDIA A100-SXM4-40GB": (312.0, 19.5),
+    "NVIDIA A100 80GB PCIe": (312.0, 19.5),
+    "NVIDIA A100-PCIE-40GB": (312.0, 19.5),
+    "NVIDIA L40S": (362.0, 91.6),
+    "NVIDIA L40": (181.0, 90.5),
+    "NVIDIA L4": (121.0, 30.3),
+    "NVIDIA A10": (125.0, 31.2),
+    "NVIDIA A10G": (70.0, 31.2),
+    "NVIDIA GeForce RTX 4090": (165.2, 82.6),
+    "Tesla V100-SXM2-32GB": (125.0, 15.7),
+    "Tesla V100-SXM2-16GB": (125.0, 15.7),
+    "Tesla T4": (65.0, 8.1),
 }
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(peak FLOP/s of the GPU named `name` at `dtype`, where the figure comes from): its data sheet's figure
+    (GPU_PEAK_TFLOPS: 16-bit for bf16 / fp16, fp32 otherwise); None for a name not in the table."""
+    if name not in GPU_PEAK_TFLOPS:
+        return None, f"no known peak for {name}"
+    half, single = GPU_PEAK_TFLOPS[name]
+    return (half if dtype != torch.float32 else single) * 1e12, f"data sheet: {name}"
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -135,11 +182,7 @@ def peak_flops(device: str, precision: str, cache_dir: Path) -> tuple[float | No
     """(peak FLOP/s for this device and precision, where the figure comes from); None when unknown."""
     dtype = compute_dtype(precision)
     if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(torch.device(device))
-        for key, (half, single) in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return (half if dtype != torch.float32 else single) * 1e12, f"data sheet: {key}"
-        return None, f"no known peak for {name}"
+        return gpu_peak_flops(torch.cuda.get_device_name(torch.device(device)), dtype)
     # CPU: measured once per machine, thread count and dtype, then cached (as for torch.compile)
     # (platform.processor() would fork `uname -p`: slow from a process this big, and no more precise)
     key = f"{platform.machine()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|{dtype}"

@@ -77,3 +77,85 @@ def test_flops_per_token_is_6_non_embedding_params_plus_attention(model, non_emb
     if model == "tiny":  # far below 6 x all parameters: the embeddings are looked up, not multiplied
         total = sum(p.numel() for p in built.parameters())
         assert flops_per_token(model_flops(built), 64) < 0.1 * 6 * total
+
+
+# --- the device's peak FLOP/s: a data-sheet figure for the exact GPU model ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16", "fp32"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989, 67),  # SXM
+        ("NVIDIA H100 PCIe", 756, 51),
+        ("NVIDIA H100 NVL", 835, 60),
+        ("NVIDIA H200", 989, 67),
+        ("NVIDIA A100-SXM4-80GB", 312, 19.5),
+        ("NVIDIA A100 80GB PCIe", 312, 19.5),
+        ("NVIDIA A10G", 70, 31.2),
+        ("NVIDIA A10", 125, 31.2),
+        ("NVIDIA L40", 181, 90.5),
+        ("NVIDIA L40S", 362, 91.6),
+        ("NVIDIA L4", 121, 30.3),
+        ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+        ("Tesla V100-SXM2-32GB", 125, 15.7),
+        ("Tesla T4", 65, 8.1),
+    ],
+)
+def test_each_gpu_model_gets_its_own_data_sheet_peak(name, bf16, fp32):
+    import torch
+
+    from pipeline.timing import gpu_peak_flops
+
+    assert gpu_peak_flops(name, torch.bfloat16) == (pytest.approx(bf16 * 1e12), f"data sheet: {name}")
+    assert gpu_peak_flops(name, torch.float16)[0] == pytest.approx(bf16 * 1e12)
+    assert gpu_peak_flops(name, torch.float32)[0] == pytest.approx(fp32 * 1e12)
+
+
+@pytest.mark.parametrize(
+    "name", ["NVIDIA B200", "NVIDIA GeForce RTX 3090", "NVIDIA H100", "Tesla V100-PCIE-16GB"]
+)
+def test_a_gpu_not_in_the_table_has_no_peak(name):
+    import torch
+
+    from pipeline.timing import gpu_peak_flops
+
+    assert gpu_peak_flops(name, torch.bfloat16) == (None, f"no known peak for {name}")
+
+
+# --- the model's size: counted on the whole model, before any wrapper shards it -------------------------------
+
+
+def test_model_size_is_the_whole_models_though_training_left_each_rank_a_shard(tmp_path):
+    """FSDP (use_orig_params=True) leaves each rank's parameters holding its shard after `prepare()`: the job's
+    parameter count and FLOPs per token are those the backend counted before training."""
+    import torch
+
+    from pipeline import backends, data, job, measurements, optimizers
+    from pipeline.timing import StepTimer
+    from tests.conftest import TINY, compose_cfg
+
+    # every batch padded to 64 positions: T of FLOPs per token
+    overrides = [
+        "backend=accelerator",
+        "train.max_steps=5",
+        "train.padding=max_length",
+        f"outputs_dir={tmp_path}",
+    ]
+    cfg = compose_cfg(*TINY, *overrides)
+    tokenizer, splits, model = job.load(cfg)
+    whole, flops = sum(p.numel() for p in model.parameters()), measurements.model_flops(model)
+    collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
+    choice = optimizers.choose(cfg)
+    with StepTimer(model) as timer:
+        out = backends.get("accelerator").train(
+            cfg, model, splits, choice.spec, collate, tmp_path, evaluate=False
+        )
+    # what FSDP leaves rank 0 of 2 holding: the first half of each parameter, flattened
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.flatten()[: (p.numel() + 1) // 2].clone()
+    cfg.train.sharding = "fsdp"
+    m = measurements.training_result(cfg, choice, model, splits, collate, out, timer, tmp_path)["metrics"]
+    assert m["model_num_params"] == whole
+    assert m["model_num_nonembedding_params"] == flops[0]
+    assert m["train_flops_per_token"] == measurements.flops_per_token(flops, 64)

@@ -6,6 +6,7 @@ Backends train and evaluate; they never talk to MLflow. `pipeline.job` turns the
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,14 +25,64 @@ class TrainOutput:
     val_metrics: dict[str, float] = field(default_factory=dict)  # the validation split at the end, same keys
     # with eval.every_steps=N: each validation figure at steps N, 2N, ... before the last ({step: value})
     val_series: dict[str, dict[int, float]] = field(default_factory=dict)
+    # the whole model's size, counted before training: its parameters, and model_flops' (N, L H Q) (a sharding
+    # wrapper, FSDP, leaves each rank's parameters holding its shard only). None: the model is counted after
+    num_params: int | None = None
+    flops: tuple[int, int] | None = None
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The training loss became NaN or infinite: the run stops there (failure reason `nan_loss`)."""
+    """The training loss became NaN or infinite at `step`: the run stops at the next reading of the losses
+    (failure reason `nan_loss`)."""
 
     def __init__(self, step: int, loss: float):
         super().__init__(f"training loss is {loss} at step {step}: stopped (try a lower train.lr)")
         self.step = step
+
+
+# the host reads the training losses from the device every this many steps, and at the end
+LOSS_READ_STEPS = 50
+
+
+class StepLosses:
+    """The training loss of each step, kept on the device while the loop runs and read by the host every
+    LOSS_READ_STEPS steps and at the end, all the steps since the last reading in one transfer: no step waits
+    for the device to hand its loss over (as `loss.item()`, or the Trainer's logging every step, would).
+
+    Each reading checks what it read: the first NaN or infinite loss ends the run (NonFiniteLoss, naming that
+    step) at that reading, up to LOSS_READ_STEPS - 1 steps after it. `combine` turns the stacked losses of the
+    steps read into the values recorded (several ranks: their mean, so all of them stop at the same reading).
+    """
+
+    def __init__(self, combine=None):
+        self.values: list[float] = []  # the steps read, from step 1
+        self._pending = []  # the loss tensors of the steps not read yet
+        self._combine = combine
+
+    def add(self, loss) -> None:
+        """This step's loss (a tensor on the device; it is not read now)."""
+        self._pending.append(loss.detach())
+
+    def step_ended(self) -> None:
+        """The end of a step: the losses are read when LOSS_READ_STEPS steps wait."""
+        if len(self._pending) >= LOSS_READ_STEPS:
+            self.read()
+
+    def read(self) -> list[float]:
+        """Every step's loss so far (the ones not read yet in one transfer); raises NonFiniteLoss at the first
+        NaN or infinite one."""
+        if self._pending:
+            import torch
+
+            stacked = torch.stack(self._pending)
+            read = (stacked if self._combine is None else self._combine(stacked)).tolist()
+            self._pending = []
+            first = len(self.values) + 1
+            self.values += read
+            for step, loss in enumerate(read, start=first):
+                if not math.isfinite(loss):
+                    raise NonFiniteLoss(step, loss)
+        return self.values
 
 
 METRIC_KEYS = ("accuracy", "f1", "macro_f1", "top_class_share", "majority_accuracy")  # classification_metrics

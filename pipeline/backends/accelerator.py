@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from pipeline import distributed
 from pipeline.backends import (
-    NonFiniteLoss,
+    StepLosses,
     TrainOutput,
     check_device,
     classification_metrics,
@@ -24,6 +23,7 @@ from pipeline.backends import (
     optimizer_step_mode,
     training_memory,
 )
+from pipeline.measurements import model_size
 from pipeline.optimizers import LAYERWISE, LOMO
 
 
@@ -114,6 +114,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     val_loader = None
     if splits.val is not None:
         val_loader = DataLoader(splits.val, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    num_params, flops = model_size(model)  # before FSDP leaves this rank's shard in the parameters
     if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
         enable_checkpointing(model)
     if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
@@ -138,7 +139,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         val_loader = accelerator.prepare(val_loader)
     every = cfg.eval.get("every_steps", 0) if val_loader is not None and evaluate else 0
     val_series: dict[str, dict[int, float]] = {}
-    losses = []
+    # several ranks record the mean over ranks (as the Trainer does), so all of them stop at the same reading
+    losses = StepLosses(
+        (lambda stacked: accelerator.reduce(stacked, "mean")) if accelerator.num_processes > 1 else None
+    )
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
@@ -153,12 +157,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         start = time.perf_counter()
         for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
             loss = model(**batch).loss
-            # a sync per step, as the Trainer's logging: a NaN stops the run at once. Several ranks record the
-            # mean over ranks (as the Trainer does), so all of them stop at the same step
-            shared = accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss
-            losses.append(shared.item())
-            if not math.isfinite(losses[-1]):
-                raise NonFiniteLoss(step, losses[-1])
+            # kept on the device: read every LOSS_READ_STEPS steps (a NaN stops the run there)
+            losses.add(loss)
             if spec.in_backward:
                 update_in_backward(accelerator, loss, optimizer, scheduler, spec)
                 peak.updated_in_backward(optimizer.optimizer)
@@ -170,16 +170,18 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
                 scheduler.step()
                 optimizer.zero_grad()
             progress.update()
+            losses.step_ended()
             if every and step % every == 0 and step < cfg.train.max_steps:  # as the Trainer's eval_steps
                 for key, value in evaluation(
                     accelerator, model, optimizer, val_loader, spec, splits, "val"
                 ).items():
                     val_series.setdefault(key, {})[step] = value
+        losses.read()  # the steps since the last reading (the loop's time includes the device's last step)
         runtime = time.perf_counter() - start
 
     return TrainOutput(
         optimizer=distributed.local_optimizer(optimizer.optimizer),  # unwrap AcceleratedOptimizer (and ZeRO)
-        losses=losses,
+        losses=losses.values,
         eval_metrics=evaluation(accelerator, model, optimizer, eval_loader, spec, splits) if evaluate else {},
         train_runtime_s=runtime,
         peak=peak,
@@ -188,4 +190,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         if evaluate and val_loader is not None
         else {},
         val_series=val_series,
+        num_params=num_params,
+        flops=flops,
     )

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import has_length
+from transformers.training_args import ParallelMode
 
 from pipeline import learning_rate, quiet
 from pipeline.backends import (
     CHECKPOINTING_KWARGS,
     METRIC_KEYS,
-    NonFiniteLoss,
+    StepLosses,
     TrainOutput,
     check_device,
     checkpointing_name,
@@ -23,13 +24,47 @@ from pipeline.backends import (
     optimizer_step_mode,
     training_memory,
 )
+from pipeline.measurements import model_size
 
 
-class StopOnNonFiniteLoss(TrainerCallback):
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
-            raise NonFiniteLoss(state.global_step, loss)
+class LossKeepingTrainer(Trainer):
+    """The Trainer, keeping each step's training loss (what its `training_step` returns, once a step: no
+    gradient accumulation here) on the device in `step_losses`: its own logging would read the loss and the
+    gradient norm at every logged step."""
+
+    def __init__(self, *args, step_losses: StepLosses, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_losses = step_losses
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_losses.add(loss)
+        return loss
+
+
+class ReadLosses(TrainerCallback):
+    """Reads the kept losses every LOSS_READ_STEPS steps, after the optimizer step (StepLosses.step_ended): a
+    NaN or infinite loss ends the training there."""
+
+    def __init__(self, step_losses: StepLosses):
+        self.step_losses = step_losses
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_losses.step_ended()
+
+
+def mean_over_ranks(args: TrainingArguments):
+    """Each step's loss as the Trainer's logging would give it: in fp32, over several ranks their mean (the
+    ranks' values gathered in rank order, then averaged step by step, as its `nested_gather(...).mean()`)."""
+
+    def combine(stacked: torch.Tensor) -> torch.Tensor:
+        stacked = stacked.float()
+        if args.parallel_mode != ParallelMode.DISTRIBUTED:
+            return stacked
+        ranks = nested_gather(stacked, args.parallel_mode).view(-1, len(stacked))
+        return torch.stack([ranks[:, step].contiguous().mean() for step in range(len(stacked))])
+
+    return combine
 
 
 class UpdatedInBackward(TrainerCallback):
@@ -44,9 +79,9 @@ class UpdatedInBackward(TrainerCallback):
 
 
 class QuietProgress(ProgressCallback):
-    """The Trainer's progress bars without its per-step log dicts (`{'loss': ..., 'grad_norm': ...}`, one line
-    a step at logging_steps=1): the quiet console (pipeline.quiet). The training bar shows at once and stays;
-    an evaluation's bar shows only when the evaluation is slow (tqdm's delay) and is erased when it ends."""
+    """The Trainer's progress bars without its log dicts (the training's summary at its end, evaluations'
+    figures): the quiet console (pipeline.quiet). The training bar shows at once and stays; an evaluation's
+    bar shows only when the evaluation is slow (tqdm's delay) and is erased when it ends."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -60,7 +95,7 @@ class QuietProgress(ProgressCallback):
             self.prediction_bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        pass  # the log history keeps every entry: the losses are recorded from it, not from the console
+        pass  # the log history keeps every entry; the console shows none
 
 
 def close_progress_bars(trainer: Trainer) -> None:
@@ -83,6 +118,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     checkpointing = checkpointing_name(TrainingArguments)  # the Trainer enables it on the model at train()
     # periodic validation: the Trainer's own eval_strategy="steps" on the validation split
     every = cfg.eval.get("every_steps", 0) if splits.val is not None and evaluate else 0
+    num_params, flops = model_size(model)
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
@@ -94,13 +130,15 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         warmup_steps=cfg.train.warmup_steps,
         max_grad_norm=cfg.train.max_grad_norm,
         seed=cfg.seed,
-        logging_strategy="steps",
-        logging_steps=1,
+        # no logging while training: it would read the loss and the gradient norm from the device at every
+        # logged step. Each step's loss is kept on the device instead (LossKeepingTrainer, StepLosses)
+        logging_strategy="no",
         eval_strategy="steps" if every else "no",
         eval_steps=every or None,
         save_strategy="no",
         report_to="none",  # the pipeline records to MLflow itself: exactly one run per job
-        logging_nan_inf_filter=False,  # a NaN loss must show, not be smoothed over
+        # a NaN loss must show, not be smoothed over (and the filter reads every step's loss from the device)
+        logging_nan_inf_filter=False,
         # under torchrun the Trainer would scale the (already per-batch mean) classification loss by the number
         # of ranks, doubling gradients and logged losses on 2 ranks; one process is unaffected
         average_tokens_across_devices=False,
@@ -115,7 +153,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         **optim_args,
     )
     check_device(spec, args.device)
-    trainer = Trainer(
+    step_losses = StepLosses(mean_over_ranks(args))
+    trainer = LossKeepingTrainer(
         model=model,
         args=args,
         train_dataset=splits.train,
@@ -123,7 +162,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         data_collator=collate,
         compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
         optimizers=(None, None) if optim else (spec.build(model, cfg), None),
-        callbacks=[StopOnNonFiniteLoss()],
+        callbacks=[ReadLosses(step_losses)],
+        step_losses=step_losses,
     )
     if quiet.is_quiet():
         trainer.remove_callback(ProgressCallback)
@@ -134,12 +174,12 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         start = time.perf_counter()
         try:
             trainer.train()
+            step_losses.read()  # the steps since the last reading
         except BaseException:
             close_progress_bars(trainer)
             raise
         runtime = time.perf_counter() - start
     history = trainer.state.log_history
-    losses = [entry["loss"] for entry in history if "loss" in entry]
     val_series: dict[str, dict[int, float]] = {}
     for entry in history:  # the periodic validation passes (the last step's is the final one, below)
         if "eval_loss" in entry and entry["step"] < cfg.train.max_steps:
@@ -154,7 +194,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     return TrainOutput(
         optimizer=optimizer,
-        losses=losses,
+        losses=step_losses.values,
         eval_metrics=evaluated(splits.eval, "eval") if evaluate else {},
         # (the Trainer's eval-time spent inside train() is taken out of the throughput by the StepTimer)
         train_runtime_s=runtime,
@@ -162,4 +202,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         device=str(args.device),
         val_metrics=evaluated(splits.val, "val") if evaluate and splits.val is not None else {},
         val_series=val_series,
+        num_params=num_params,
+        flops=flops,
     )
