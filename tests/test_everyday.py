@@ -569,7 +569,7 @@ def test_a_pooled_report_counts_each_point_once(reruns, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = pd.read_csv(tmp_path / "comparison.csv")
-    assert dict(zip(table.optim, table["n [seeds]"], strict=True)) == {"adamw": 1, "adamw_8bit": 1}
+    assert dict(zip(table.optimizer, table["n [seeds]"], strict=True)) == {"adamw": 1, "adamw_8bit": 1}
     jobs = pd.read_csv(tmp_path / "runs.csv")
     assert runs["adamw"].info.run_id in set(jobs.run_id)  # the latest FINISHED run of the point
     report = (tmp_path / "report.md").read_text()

@@ -77,14 +77,14 @@ def test_the_rate_is_a_column_where_rows_differ_and_one_line_names_the_untuned(a
     line = "off a tuned learning rate: NAdam at 5e-05 (its reference, untuned)"
     assert out.count(line) == 1, out[-3000:]
     report = next(tmp.glob("report/*/comparison.csv"))
-    assert dict(zip(*pd.read_csv(report)[["optim", "lr"]].T.to_numpy(), strict=True)) == rates
+    assert dict(zip(*pd.read_csv(report)[["optimizer", "lr"]].T.to_numpy(), strict=True)) == rates
     assert line in (report.parent / "report.md").read_text()
 
 
 def test_a_collapsed_row_is_marked_as_its_tags_say(adamw_and_custom):
     tmp, proc = adamw_and_custom
     runs = {r.data.params["optim"]: r for r in sweep_runs(tmp)[1]}
-    table = pd.read_csv(next(tmp.glob("report/*/comparison.csv"))).set_index("optim")
+    table = pd.read_csv(next(tmp.glob("report/*/comparison.csv"))).set_index("optimizer")
     for optim, run in runs.items():
         collapsed = run.data.tags["collapsed"] == "true"
         assert table.loc[optim, "collapsed [runs]"] == int(collapsed)

@@ -13,6 +13,7 @@ import pandas as pd
 
 from pipeline.report.columns import (
     BASELINE,
+    KEY_LABELS,
     LEGEND,
     QUALITY,
     QUALITY_METRICS,
@@ -192,7 +193,8 @@ def write_report(
     into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     jobs.to_csv(out / "runs.csv", index=False)
-    table.to_csv(out / "comparison.csv", index=False)
+    # the table's words as the console and the page show them: `optimizer`, `batch size [samples]` ...
+    table.rename(columns=KEY_LABELS).to_csv(out / "comparison.csv", index=False)
     (out / "tuned.csv").unlink(missing_ok=True)
     if tuned is not None:
         tuned.table.to_csv(out / "tuned.csv", index=False)
@@ -432,6 +434,8 @@ def build(
     if is_tuned(training):
         validation = validation_history(uri, training, f"val_{quality_metric}")
     tuned = tuned_section(training, validation, quality_metric, baseline, target_fraction)
+    if tuned is not None and not len(tuned.table):  # no optimizer with a validated rate: no section
+        tuned = None
     fits, plans = fit_table(jobs, baseline), plan_table(jobs, baseline)
     write_report(out, title, about, jobs, table, history, baseline, fits, plans, tuned)
     return out, table

@@ -153,7 +153,14 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     out[SEEDS] = table[SEEDS]
     after = table.columns[table.columns.get_loc(SEEDS) + 1 :]
     for column in columns or [c for c in after if not c.endswith(" std") and c != COLLAPSED]:
-        spec = "+.4g" if column.startswith("Δ") else ".4g"
+        # a change in percent to two decimals (-99.77, -0.00, +0.00), any other change to 4 digits with its sign
+        spec = (
+            "+.2f"
+            if column.startswith("Δ") and column.endswith("[%]")
+            else "+.4g"
+            if column.startswith("Δ")
+            else ".4g"
+        )
         std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
         out[column] = [
             _fmt(m, spec) + (f" ± {_fmt(s, '.2g')}" if pd.notna(s) else "")
