@@ -32,7 +32,7 @@ os.environ.setdefault("PIPELINE_STARTER_KEEP_S", "120")
 
 def pytest_configure(config):
     """The CPU tests run on CPU on a GPU machine too (their figures, messages and budgets are the CPU
-    tracker's): unless the mark expression selects the gpu tests (`make test-gpu` runs `-m gpu`), this
+    tracker's): unless the mark expression selects the gpu tests (`pytest -m gpu`), this
     process and every job it starts see no GPU. Set before any test module imports torch."""
     if not selects_gpu_tests(config.option.markexpr):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
