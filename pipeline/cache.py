@@ -28,9 +28,22 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def key(*inputs) -> str:
-    """The name of the entry for these inputs (anything JSON can write) under this code."""
-    text = json.dumps([code_digest(), *inputs], sort_keys=True, default=str)
+@functools.cache
+def source_digest(*parts: str) -> str:
+    """A digest of some of the pipeline's source: the modules and folders `parts` (relative to the package,
+    `plan.py`, `optimizers`), for an entry that only that code can change."""
+    digest = hashlib.sha256()
+    for part in parts:
+        found = PACKAGE / part
+        for path in sorted(found.rglob("*.py")) if found.is_dir() else [found]:
+            digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def key(*inputs, code: str | None = None) -> str:
+    """The name of the entry for these inputs (anything JSON can write) under this code: `code`, a digest of
+    the source the entry depends on (source_digest), else the whole package's."""
+    text = json.dumps([code or code_digest(), *inputs], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -72,13 +85,15 @@ def write_json(path: Path, value) -> None:
 
 class Store:
     """Entries of one kind in `folder`, each a JSON value keyed by its inputs and `context` (what every entry
-    depends on besides: library versions)."""
+    depends on besides: library versions), under the code `sources` names (source_digest; None: the whole
+    package)."""
 
-    def __init__(self, folder: Path, *context):
+    def __init__(self, folder: Path, *context, sources: tuple[str, ...] | None = None):
         self.folder, self.context = Path(folder), context
+        self.code = source_digest(*sources) if sources else None
 
     def _path(self, inputs: list) -> Path:
-        return self.folder / f"{key(*self.context, *inputs)}.json"
+        return self.folder / f"{key(*self.context, *inputs, code=self.code)}.json"
 
     def find(self, inputs: list):
         """The entry for `inputs`, or None where there is none."""

@@ -147,6 +147,18 @@ NOT_IN_PLAN = ("seed", "data", "eval", "tracking", "outputs_dir", "force", "log_
 NOT_IN_PLAN += ("memory_track_steps", "memory_budget_mb", "find_batch_size", "plan", "device_memory")
 NOT_IN_PLAN += ("custom_optim",)  # what it selects is in `optim`
 NOT_IN_PLAN_TRAIN = ("max_steps",)
+# the code the simulated step runs (the model on fake tensors, the trackers, the optimizers' steps and layouts):
+# an edit elsewhere (the report, the runner) leaves the kept steps valid
+PLAN_SOURCES = (
+    "__init__.py",
+    "plan.py",
+    "plan_ranks.py",
+    "memory.py",
+    "models.py",
+    "muon.py",
+    "backends/__init__.py",
+)
+PLAN_SOURCES += ("optimizers",)
 
 
 def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1) -> dict:
@@ -159,7 +171,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
-    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions())
+    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions(), sources=PLAN_SOURCES)
 
     def figures() -> dict:
         from pipeline import plan, plan_ranks

@@ -138,6 +138,40 @@ def test_a_class_of_ones_own_is_simulated_again_once_its_file_is_edited(tmp_path
     assert len(entries(cached)) == 5  # a new step and optimizer step; the pass does not depend on it
 
 
+def test_an_edit_outside_the_simulations_code_leaves_the_plan_cache_valid(tmp_path, monkeypatch):
+    """The plan's entries are keyed by the source of the modules the simulated step runs
+    (measurements.PLAN_SOURCES), not by the whole package: after an edit to the report (the package's digest
+    changes) the step is read back, not simulated; an edit to the plan's own code makes another key."""
+    import shutil
+
+    from pipeline import cache
+
+    monkeypatch.setattr(plan, "_PROFILES", {})
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    first = simulated(tmp_path)
+    cached = tmp_path / "cache" / "plan"
+    assert len(entries(cached)) == 3
+    # a copy of the package with the report edited, then with the plan edited
+    copy = tmp_path / "pipeline"
+    shutil.copytree(cache.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cache, "PACKAGE", copy)
+    (copy / "report" / "render.py").write_text((copy / "report" / "render.py").read_text() + "\n# edited\n")
+    cache.code_digest.cache_clear()
+    cache.source_digest.cache_clear()
+    monkeypatch.setattr(plan, "_PROFILES", {})  # (a new process: nothing simulated in memory)
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan, "_trace", None)  # read back, not simulated: a call would fail
+    assert simulated(tmp_path) == first
+    assert len(entries(cached)) == 3
+    before = cache.source_digest(*measurements.PLAN_SOURCES)
+    (copy / "plan.py").write_text((copy / "plan.py").read_text() + "\n# edited\n")
+    cache.source_digest.cache_clear()
+    assert cache.source_digest(*measurements.PLAN_SOURCES) != before
+    monkeypatch.undo()
+    cache.code_digest.cache_clear()
+    cache.source_digest.cache_clear()
+
+
 def schema(db) -> dict:
     """Each table's and index's statement, as the set of its lines (MLflow's migrations write a table's
     constraints in no fixed order)."""
