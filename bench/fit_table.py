@@ -81,7 +81,8 @@ def rows(models, optims, precisions, seqs, gpus, failed: dict[str, str]):
                     yield [model, optim, precision, "on" if ckpt else "off", str(seq), *["n/a"] * len(gpus)]
                     continue
                 if layout is None:
-                    layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True)
+                    nccl = plan_ranks.NCCL_BUFFERS_MB
+                    layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True, nccl_mb=nccl)
                 cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra) for g in gpus]
                 yield [model, optim, precision, "on" if ckpt else "off", str(seq), *cells]
 
@@ -89,7 +90,7 @@ def rows(models, optims, precisions, seqs, gpus, failed: dict[str, str]):
 def page(
     found: list[list[str]], failed: dict[str, str], command: str, minutes: float, torch_version: str
 ) -> str:
-    from pipeline import plan
+    from pipeline import plan, plan_ranks
 
     header = ["model", "optimizer", "precision", "checkpointing", "seq [tokens]"]
     header += [f"{g} ({plan.usable_mb(g):,.0f} MB)" for g in GPUS]
@@ -106,9 +107,11 @@ def page(
         "sharding that gets there first (docs/plan.md: `zero1` ZeRO-1, `zero2` ZeRO-2, `fsdp` FSDP full "
         "shard; none shown for one GPU), then the largest batch per GPU at that number (sequences of `seq` "
         "tokens, every one at full length; 9999 = 9999 or more). `-`: no number up to 4096 fits. Usable "
-        "memory = the data sheet's less 512 MiB for the CUDA context; MB = 2^20 bytes. Sequence "
-        "classification head, the optimizer's own step (`foreach` on CUDA), gradient clipping. GaLore, APOLLO "
-        "and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
+        f"memory = the data sheet's GB (10^9 bytes) in MB less {plan.CUDA_CONTEXT_MB} MiB for the CUDA context; "
+        f"on more than one GPU each also holds {plan_ranks.NCCL_BUFFERS_MB} MiB of NCCL buffers (stated, not "
+        "measured); MB = 2^20 bytes. Sequence classification head, attention as CUDA's fused kernels run it "
+        "(flash or memory-efficient: no heads x S x S probabilities kept), the optimizer's own step "
+        "(`foreach` on CUDA), gradient clipping. GaLore, APOLLO and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
         + "."
         + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in failed.items()),

@@ -5,9 +5,11 @@ is planned in seconds from its architecture alone.
 What runs is what a job runs: the model class transformers builds from the config (its attention
 implementation, blocks, tied or untied embeddings), autocast for bf16/fp16, bf16 weights for bf16_pure,
 gradient checkpointing, and the optimizer's own step (torch's per-tensor loop on CPU, its `foreach` loop for a
-CUDA target, as torch picks by default there). A storage tracker (PyTorch's MemTracker, as the step-2
-breakdown of a training job) follows every tensor's lifetime, so the parts are the same as a measured
-breakdown. An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
+CUDA target, as torch picks by default there). For a CUDA target, scaled dot-product attention runs the fused
+kernel torch's CUDA dispatch picks (flash or memory-efficient attention: `cuda_attention`), which saves the
+output and the logsumexp for backward, not the probabilities the CPU's math path keeps. A storage tracker
+(PyTorch's MemTracker, as the step-2 breakdown of a training job) follows every tensor's lifetime, so the
+parts are the same as a measured breakdown. An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
 exact analytic state and its stated step temporaries instead (tag `plan_method`).
 
     peak = max(forward/backward peak + optimizer state,  optimizer-step peak)
@@ -39,7 +41,8 @@ from pipeline import MB, learning_rate
 # per handle (forward, autograd's backward thread), 32 MiB + 1 MiB (cuBLASLt) on Hopper, as torch sizes them
 CUBLAS_WORKSPACES_MB = 2 * 33
 CUDA_CONTEXT_MB = 512  # CUDA context + kernels: outside the allocator, stated (typically 300-600 MiB)
-# Named GPUs: memory as the data sheet states it ("80GB" read as 80 GiB); usable = that - CUDA_CONTEXT_MB
+# Named GPUs: memory as the data sheet states it, in the vendor's units ("80GB": 80 * 10^9 bytes);
+# usable = that in MB (2^20 bytes) - CUDA_CONTEXT_MB
 DEVICE_MEMORY_GB = {
     "t4": 16,
     "v100-32gb": 32,
@@ -58,8 +61,9 @@ MAX_BATCH = 2**20  # the largest batch a plan reports
 
 
 def usable_mb(device: str) -> float:
-    """What a named GPU leaves to the caching allocator: its memory less the CUDA context."""
-    return DEVICE_MEMORY_GB[device] * 1024 - CUDA_CONTEXT_MB
+    """What a named GPU leaves to the caching allocator (MB): its data sheet's GB (10^9 bytes) less the CUDA
+    context."""
+    return DEVICE_MEMORY_GB[device] * 10**9 / MB - CUDA_CONTEXT_MB
 
 
 def fake_mode():
@@ -98,6 +102,83 @@ def fake_model(model_config, precision: str, checkpointing: bool):
 def _autocast(precision: str):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def cuda_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """`F.scaled_dot_product_attention` as torch runs it on a CUDA GPU of sm80 or newer (A100, H100, H200,
+    L4, L40S ...): the kernel its CUDA dispatch picks, called through that kernel's own aten op, so that
+    autograd saves for backward what the kernel saves (the ops' meta kernels give the shapes):
+
+    - flash attention, with no mask, 16-bit inputs and equal head dims up to 256: q, k and v (head dim padded
+      to a multiple of 8), the output, the logsumexp (B x H x L, fp32) and dropout's philox seed and offset;
+    - else memory-efficient attention, with head dims a multiple of 8 (16-bit) or 4 (fp32): q, k, v, the
+      mask as an additive bias in the query's dtype (a boolean mask converted, as given, B x 1 x L x S for a
+      padding mask, then expanded; padded when unaligned), the output, the logsumexp (B x H x L rounded up
+      to 32, fp32), seed and offset;
+    - else the math path, which keeps the B x H x L x S probabilities (and dropout's mask).
+
+    Neither fused kernel keeps probabilities, with dropout or without. Under autocast the floating inputs are
+    cast to its dtype first, as CUDA autocast does for SDPA (its lower-precision list)."""
+    import torch.nn.functional as F
+
+    if torch.is_autocast_enabled("cpu"):  # the simulation's autocast stands in for CUDA's
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    head, head_v = query.shape[-1], value.shape[-1]
+    same = head == key.shape[-1] == head_v
+    if (
+        attn_mask is None
+        and half
+        and same
+        and head <= 256
+        and not (is_causal and query.shape[-2] != key.shape[-2])
+    ):
+        pad = -head % 8
+        q, k, v = (F.pad(t, (0, pad)) if pad else t for t in (query, key, value))
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=head**-0.5 if scale is None else scale
+        )[0]
+        return out[..., :head] if pad else out
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for every kernel
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        attn_mask = torch.where(attn_mask.logical_not(), -math.inf, zero)
+    alignment = 8 if half else 4
+    if head == key.shape[-1] and head % alignment == 0 and head_v % alignment == 0:
+        if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped key/value heads, repeated
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = (t.repeat_interleave(repeat, -3) for t in (key, value))
+        if attn_mask is not None:  # torch's preprocess_mask: padded when unaligned, then expanded
+            strides = attn_mask.stride()
+            if any(s % 8 for s in strides[:-1]) or strides[-1] != 1:
+                last = attn_mask.shape[-1]
+                attn_mask = F.pad(attn_mask, (0, 8 - last % 8))[..., :last]
+            attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+        )[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+@contextlib.contextmanager
+def cuda_attention_in_place():
+    """Within it, `torch.nn.functional.scaled_dot_product_attention` (as transformers calls it) is
+    `cuda_attention`: in the forward pass and in a checkpointed layer's recomputation in backward too, which
+    runs inside autograd's engine, where a torch function mode does not reach."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = cuda_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
 
 
 INPUT_NAMES = ("input_ids", "attention_mask")  # what a tokenizer gives at the least
@@ -287,22 +368,28 @@ def _stretches(model, tracker):
 
 
 def profile(
-    model_config, precision: str, checkpointing: bool, seq: int, names=INPUT_NAMES, store=None
+    model_config,
+    precision: str,
+    checkpointing: bool,
+    seq: int,
+    names=INPUT_NAMES,
+    store=None,
+    cuda: bool = False,
 ) -> Profile:
     """The forward and backward pass's Profile for sequences of `seq` tokens (cached: a sweep's plans of one
-    model share it; in `store` too, a pipeline.cache.Store, where other processes find it). Simulated at the
-    batch sizes the Profile asks for (one, or two for its lines), and, for a deep model, at SHALLOW's depths,
-    each trace then extrapolated to the model's depth: four passes of a 2- or 3-layer model plan an 8B one."""
-    key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names)
+    model share it; in `store` too, a pipeline.cache.Store, where other processes find it), on a CUDA target
+    when `cuda` (its attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
+    lines), and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's depth: four
+    passes of a 2- or 3-layer model plan an 8B one."""
+    key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config)
+        run = functools.partial(_trace, cuda=cuda)
 
         def trace_at(batch: int) -> np.ndarray:
             if shallow is None:
-                return _trace(model_config, precision, checkpointing, batch, seq, names, stretches=False)[
-                    "pass"
-                ]
-            a, b = (_trace(c, precision, checkpointing, batch, seq, names, stretches=True) for c in shallow)
+                return run(model_config, precision, checkpointing, batch, seq, names, stretches=False)["pass"]
+            a, b = (run(c, precision, checkpointing, batch, seq, names, stretches=True) for c in shallow)
             a.pop("middle", None), b.pop("middle", None)
             _check_aligned(a, b, f"depths {SHALLOW[0]} and {SHALLOW[1]}")
             depth = model_config.num_hidden_layers
@@ -326,17 +413,19 @@ def _check_aligned(a: dict, b: dict, between: str) -> None:
 
 
 def _trace(
-    model_config, precision, checkpointing, batch, seq, names, stretches: bool
+    model_config, precision, checkpointing, batch, seq, names, stretches: bool, cuda: bool = False
 ) -> dict[str, np.ndarray]:
-    """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch."""
+    """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
+    `cuda`, attention as a CUDA GPU runs it (`cuda_attention_in_place`)."""
     from pipeline.memory import KindPeak
 
     mode, model = fake_model(model_config, precision, checkpointing)
     inputs = _inputs(mode, batch, seq, names)
     tracker = KindPeak(model, inputs.values())
     tracker.enter("before" if stretches else "pass")
+    filed = _stretches(model, tracker) if stretches else contextlib.nullcontext()
     try:
-        with mode, tracker, _stretches(model, tracker) if stretches else contextlib.nullcontext():
+        with mode, tracker, filed, cuda_attention_in_place() if cuda else contextlib.nullcontext():
             with _autocast(precision):
                 loss = model(**inputs).loss
             loss.backward()
@@ -422,7 +511,8 @@ def simulate(
     model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES, store=None
 ) -> dict:
     """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens, the optimizer
-    step's own peak, the state, how the step was found, the fake model and the pass's Profile. `store` (a
+    step's own peak, the state, how the step was found, the fake model and the pass's Profile. `cuda`: for a
+    CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces); `store` (a
     pipeline.cache.Store): where the pass and the optimizer step are kept for other processes."""
     from pipeline import optimizers
 
@@ -431,7 +521,7 @@ def simulate(
     _, model = fake_model(model_config, precision, checkpointing)
     params = optimizers.param_infos(model)
     state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
-    steps = profile(model_config, precision, checkpointing, seq, names, store)
+    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda)
     fb = steps.parts(batch)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(

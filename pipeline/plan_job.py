@@ -1,6 +1,7 @@
 """A plan job's record (`plan=true`): the step simulated on fake tensors (pipeline.plan), as one process or as
 each rank of `launcher.nproc_per_job` processes under `train.sharding` (pipeline.plan_ranks), whether it fits
-a budget, the largest batch that does, the smallest number of ranks that fits, and the field's anchors."""
+a budget and the headroom it leaves, the largest batch that does, the smallest number of ranks that fits, and
+the field's anchors."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def budget_mb(cfg) -> float | None:
     return plan.usable_mb(cfg.device_memory) if cfg.device_memory else None
 
 
+def headroom(peak: float, budget: float) -> dict[str, float]:
+    """What the budget leaves beside the predicted peak: in MB and in % of the budget (negative: short by)."""
+    return {
+        "predicted_headroom_mb": budget - peak,
+        "predicted_headroom_pct": 100 * (budget - peak) / budget,
+    }
+
+
 def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: float) -> dict[str, float]:
     """The per-rank figures of a plan for `launcher.nproc_per_job` ranks under `train.sharding`: the largest
     rank's parts and peak (what must fit), each rank's peak (ZeRO-1's differ; up to 8 named), the largest
@@ -28,7 +37,7 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: flo
     metrics = {
         "predicted_peak_mb": top["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in top["parts"].items()},
-        "predicted_step_peak_mb": sum(top["step"].values()) + extra,
+        "predicted_step_peak_mb": top["step_peak"],
         "predicted_rank_state_mb": top["state"],
         "deepspeed_zero_mb": plan_ranks.deepspeed_zero_mb(layout, sharding, world),
     }
@@ -79,9 +88,12 @@ def plan_result(cfg) -> dict:
         metrics["fits"] = float(prediction["peak"] <= budget)
         metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget, cuda)
     if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none" or budget is not None:
-        layout = plan_ranks.Layout(model, spec, cfg, foreach=cuda)
+        nccl = plan_ranks.NCCL_BUFFERS_MB if cuda else 0.0  # each rank's, when there are several
+        layout = plan_ranks.Layout(model, spec, cfg, foreach=cuda, nccl_mb=nccl)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         metrics |= rank_metrics(prediction, layout, cfg, budget, extra)
+    if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
+        metrics |= headroom(metrics["predicted_peak_mb"], budget)
     metrics["plan_s"] = time.perf_counter() - start
     return {
         "metrics": metrics,

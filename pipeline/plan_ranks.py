@@ -19,7 +19,8 @@ Shardings (`train.sharding`), and where each comes from in our stack:
   (everything outside the stack of layers: embeddings, head, final norm) through the pass, and two layers (the
   one computing, the one prefetched); one unit's unsharded gradients in flight before their reduce-scatter.
 
-At N = 1 every sharding is the one-process step. The anchors beside it (`deepspeed_zero_mb`) are the field's
+At N = 1 every sharding is the one-process step. On a CUDA target each rank of several also holds NCCL's own
+buffers (NCCL_BUFFERS_MB, stated), counted with the rank's other memory. The anchors beside it (`deepspeed_zero_mb`) are the field's
 model-state formulas for the same N (ZeRO paper; DeepSpeed's estimators): no activations, no temporaries.
 """
 
@@ -43,6 +44,11 @@ SOURCES = {
 MAX_RANKS = 4096
 CANDIDATE_RANKS = (*range(1, 9), *range(16, MAX_RANKS + 1, 8))
 PARTS = ("params", "grads", "optimizer", "activations", "other")
+# NCCL's buffers on each GPU of a job over several ranks, allocated by NCCL itself (outside torch's caching
+# allocator): stated, not measured here. NCCL_BUFFSIZE is 4 MiB per channel, per peer and per protocol (NCCL's
+# default); with the channels and peers of a node's rings and trees a total of 0.5-1 GB per GPU is commonly
+# observed. The plan takes 512 MiB per GPU, on a CUDA target with more than one rank.
+NCCL_BUFFERS_MB = 512
 
 
 def zero1_partition(group_sizes: list[list[int]], world: int) -> list[list[list[int]]]:
@@ -61,12 +67,14 @@ def zero1_partition(group_sizes: list[list[int]], world: int) -> list[list[list[
 
 class Layout:
     """What the count of shards needs of a (fake) model and its optimizer: bytes of weights, buffers and
-    trainable gradients, the units FSDP gathers, the optimizer's parameter groups and state estimate."""
+    trainable gradients, the units FSDP gathers, the optimizer's parameter groups and state estimate, and what
+    each rank of several holds for communication (`nccl_mb`: NCCL_BUFFERS_MB for a CUDA target's plan; 0 where
+    the figures are compared with torch's allocator, which NCCL's buffers lie outside)."""
 
-    def __init__(self, model, spec, cfg, foreach: bool):
+    def __init__(self, model, spec, cfg, foreach: bool, nccl_mb: float = 0.0):
         from pipeline import optimizers
 
-        self.spec, self.cfg, self.foreach = spec, cfg, foreach
+        self.spec, self.cfg, self.foreach, self.nccl_mb = spec, cfg, foreach, nccl_mb
         self.config = model.config
         params = list(model.parameters())
         self.num_params = sum(p.numel() for p in params)
@@ -207,9 +215,11 @@ def rank_states(layout: Layout, sharding: str, world: int) -> tuple[list[float],
 
 
 def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch: int, extra_mb: float):
-    """Each rank's predicted parts and peak (MB) at `batch` samples per rank: a list, one entry per distinct
-    rank (ZeRO-1's ranks own different parameters; the other shardings' ranks are alike). `prediction`:
-    pipeline.plan.simulate's; `extra_mb`: what a CUDA target adds (cuBLAS workspaces)."""
+    """Each rank's predicted parts and peak (MB) at `batch` samples per rank, and its optimizer step's peak: a
+    list, one entry per distinct rank (ZeRO-1's ranks own different parameters; the other shardings' ranks are
+    alike). `prediction`: pipeline.plan.simulate's; `extra_mb`: what a CUDA target adds (cuBLAS workspaces);
+    with more than one rank, the layout's NCCL buffers are added too (in `other`)."""
+    extra_mb += layout.nccl_mb if world > 1 else 0.0
     states, owned = rank_states(layout, sharding, world)
     fb = _fb_rows(prediction["profile"].values(batch), layout, sharding, world)
     at = dict(zip(PARTS, fb[fb.sum(axis=1).argmax()].tolist(), strict=True))
@@ -225,7 +235,13 @@ def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch:
             step = _step_parts(prediction["step"], layout, sharding, world, mine)
             parts = fb_parts if sum(fb_parts.values()) >= sum(step.values()) else step
             parts = {**parts, "other": parts["other"] + extra_mb}
-            alike[key] = {"parts": parts, "peak": sum(parts.values()), "state": state, "step": step}
+            alike[key] = {
+                "parts": parts,
+                "peak": sum(parts.values()),
+                "state": state,
+                "step": step,
+                "step_peak": sum(step.values()) + extra_mb,
+            }
         out.append(alike[key])
     return out
 
@@ -275,7 +291,9 @@ def smallest_world(prediction, layout, sharding, batch, budget, extra_mb) -> int
 
 
 def _stateless_zero1(prediction, layout, batch, extra_mb) -> float:
-    """A ZeRO-1 rank's peak on any number of ranks, less its state and step temporaries: a lower bound."""
+    """A ZeRO-1 rank's peak on any number of ranks above one, less its state and step temporaries: a lower
+    bound."""
     fb = _fb_rows(prediction["profile"].values(batch), layout, "zero1", 2)
     step = {**prediction["step"], "grads": prediction["step"]["grads"] + layout.grads / MB}
-    return max(fb.sum(axis=1).max(), sum(step.values()) - step["optimizer"] - step["other"]) + extra_mb
+    fixed = extra_mb + layout.nccl_mb
+    return max(fb.sum(axis=1).max(), sum(step.values()) - step["optimizer"] - step["other"]) + fixed

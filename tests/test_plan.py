@@ -1,6 +1,8 @@
 """Plan before you train (`plan=true`): a training step simulated on fake tensors, its parts and peak, the
 largest batch that fits, the report's plan table, and a sample of the accuracy matrix (`make plan-accuracy`)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -35,6 +37,9 @@ def test_plan_jobs_record_the_parts_the_peak_and_the_largest_batch(plan_sweep):
         parts = sum(m[f"predicted_peak_{k}_mb"] for k in PARTS)
         assert parts == pytest.approx(m["predicted_peak_mb"], rel=1e-9)
         assert m["fits"] == float(m["predicted_peak_mb"] <= 60) and m["budget_mb"] == 60
+        # how close to the edge: what the budget leaves at the batch asked, in MB and in % of it
+        assert m["predicted_headroom_mb"] == pytest.approx(60 - m["predicted_peak_mb"], rel=1e-9)
+        assert m["predicted_headroom_pct"] == pytest.approx(100 * m["predicted_headroom_mb"] / 60, rel=1e-9)
         # (the estimate also counts Python-int `step` entries, which are no tensors)
         assert m["predicted_peak_optimizer_mb"] == pytest.approx(m["estimated_optimizer_state_mb"], rel=0.01)
         assert "train_loss" not in m and "eval_f1" not in m  # nothing trained
@@ -130,6 +135,88 @@ def test_a_cuda_target_runs_torch_adamw_foreach():
     sizes = [p.numel() * 4 / MB for p in cpu["model"].parameters()]
     assert cpu["parts"]["other"] == pytest.approx(2 * max(sizes), rel=0.02)
     assert cuda["parts"]["other"] - plan.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "masked"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_a_cuda_targets_attention_saves_what_torchs_fused_kernel_saves(dtype, masked):
+    """For a CUDA target, SDPA with dropout saves for backward what torch's fused kernel saves on a GPU: q, k
+    and v, the mask as a bias in the query's dtype (memory-efficient attention, the kernel for a masked call;
+    flash attention takes none), and the kernel's outputs as its fake kernel makes them on a fake CUDA device:
+    the output, the logsumexp (rounded up to 32 rows by memory-efficient attention) and dropout's philox seed
+    and offset. Never the B x H x L x L probabilities or dropout's mask, which the CPU's math path keeps."""
+    b, h, length, d = 2, 4, 40, 16
+    saved = {}
+
+    def pack(t):
+        saved[id(t.untyped_storage())] = t.untyped_storage()
+        return t
+
+    with plan.fake_mode():
+        q, k, v = (torch.empty(b, h, length, d, dtype=dtype, requires_grad=True) for _ in range(3))
+        mask = torch.ones(b, 1, length, length, dtype=torch.bool) if masked else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), plan.cuda_attention_in_place():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+        with torch.no_grad():  # the kernel torch's CUDA dispatch runs, on a fake CUDA device
+            cuda = [torch.empty(b, h, length, d, dtype=dtype, device="cuda") for _ in range(3)]
+            if masked:
+                bias = torch.empty(b, 1, length, length, dtype=dtype, device="cuda")
+                expanded = bias.expand(b, h, length, length)
+                kernel = torch.ops.aten._scaled_dot_product_efficient_attention(*cuda, expanded, True, 0.1)
+                assert kernel[1].shape == (b, h, 64)  # the logsumexp's rows rounded up to 32
+                kept = [*cuda, bias, *kernel]  # output, logsumexp, philox seed, offset
+            else:
+                kernel = torch.ops.aten._scaled_dot_product_flash_attention(*cuda, 0.1)
+                assert kernel[1].shape == (b, h, length)
+                kept = [*cuda, kernel[0], kernel[1], kernel[6], kernel[7]]  # output, logsumexp, rng state
+    assert sum(storage.nbytes() for storage in saved.values()) == sum(
+        t.untyped_storage().nbytes() for t in kept
+    )
+    assert max(storage.nbytes() for storage in saved.values()) < b * h * length * length * q.element_size()
+
+
+def test_a_bert_base_plan_for_a_cuda_target_keeps_no_attention_probabilities():
+    """BERT-base (attention dropout 0.1), 16 x 512 tokens. Planned for CPU, SDPA takes the math path, which
+    keeps per layer the probabilities, dropout's mask and the dropped probabilities (3 x B x H x S^2 fp32);
+    planned for a CUDA target, memory-efficient attention keeps the mask as a bias (B x S^2) and the
+    logsumexp (B x H x S) instead, and attention dropout changes nothing it keeps."""
+    cfg = compose_cfg("model=bert-base-uncased", "model.pretrained=false", "optim=adamw")
+    spec, config = optimizers.get("adamw"), models.model_config(cfg.model, num_labels=2)
+    names = ("input_ids", "token_type_ids", "attention_mask")
+    b, s, h, layers = 16, 512, config.num_attention_heads, config.num_hidden_layers
+    cpu = plan.simulate(config, spec, cfg, b, s, names=names)
+    cuda = plan.simulate(config, spec, cfg, b, s, cuda=True, names=names)
+    undropped = copy.deepcopy(config)
+    undropped.attention_probs_dropout_prob = 0.0
+    no_dropout = plan.simulate(undropped, spec, cfg, b, s, cuda=True, names=names)
+    per_layer = (3 * b * h * s * s - b * s * s - b * h * s) * 4 / MB
+    drop = cpu["parts"]["activations"] - cuda["parts"]["activations"]
+    assert drop == pytest.approx(layers * per_layer, rel=1e-6)
+    assert cuda["parts"]["activations"] == pytest.approx(no_dropout["parts"]["activations"], rel=1e-9)
+    assert cuda["peak"] < cpu["peak"] / 1.9
+
+
+def test_named_gpus_memory_is_the_data_sheets_in_its_units():
+    """A data sheet's "80GB" is 80 x 10^9 bytes: usable MB (2^20 bytes) = that less the CUDA context."""
+    assert plan.DEVICE_MEMORY_GB == {
+        "t4": 16,
+        "v100-32gb": 32,
+        "a10": 24,
+        "l4": 24,
+        "rtx-3090": 24,
+        "rtx-4090": 24,
+        "l40s": 48,
+        "a100-40gb": 40,
+        "a100-80gb": 80,
+        "h100-80gb": 80,
+        "h200": 141,
+    }
+    usable = {"t4": 14_746.79, "a10": 22_376.18, "a100-40gb": 37_634.97, "h100-80gb": 75_781.95}
+    usable["h200"] = 133_956.08
+    for name, mb in usable.items():
+        assert plan.usable_mb(name) == pytest.approx(mb, abs=0.01), name
+        assert (plan.usable_mb(name) + plan.CUDA_CONTEXT_MB) * MB == plan.DEVICE_MEMORY_GB[name] * 10**9
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,39 @@ def test_ddp_adds_one_copy_of_the_gradients(tiny_plan):
     assert one["peak"] == pytest.approx(prediction["peak"], rel=1e-12)
 
 
+def test_each_gpu_of_several_holds_nccls_buffers(tiny_plan):
+    """A CUDA target's plan over several ranks adds NCCL's buffers (NCCL_BUFFERS_MB, stated) to each rank's
+    other memory, its peak and its optimizer step's peak, under every sharding; one rank has none, nor a layout
+    without them (a training job's prediction, compared with torch's allocator, which they lie outside)."""
+    cfg, spec, prediction, layout = tiny_plan
+    nccl = plan_ranks.NCCL_BUFFERS_MB
+    assert nccl == 512
+    with_nccl = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=False, nccl_mb=nccl)
+    for sharding in plan_ranks.SOURCES:
+        plain = plan_ranks.per_rank(prediction, layout, sharding, 4, 16, 0.0)
+        ranks = plan_ranks.per_rank(prediction, with_nccl, sharding, 4, 16, 0.0)
+        for rank, without in zip(ranks, plain, strict=True):
+            assert rank["parts"]["other"] == pytest.approx(without["parts"]["other"] + nccl, rel=1e-12)
+            assert rank["peak"] == pytest.approx(without["peak"] + nccl, rel=1e-12)
+            assert rank["step_peak"] == pytest.approx(without["step_peak"] + nccl, rel=1e-12)
+        (one,) = plan_ranks.per_rank(prediction, with_nccl, sharding, 1, 16, 0.0)
+        assert one["peak"] == pytest.approx(prediction["peak"], rel=1e-12)
+    # a plan job for a named GPU (a CUDA target) over 2 ranks counts them
+    cfg2 = compose_cfg(
+        "model=tiny", "optim=adamw", "plan=true", "device_memory=t4", "launcher.nproc_per_job=2"
+    )
+    m = plan_job.plan_result(cfg2)["metrics"]
+    cuda = plan.simulate(
+        prediction["model"].config, spec, cfg2, 16, 64, cuda=True, names=("input_ids", "attention_mask")
+    )
+    cuda_layout = plan_ranks.Layout(cuda["model"], spec, cfg2, foreach=True, nccl_mb=nccl)
+    top = max(
+        plan_ranks.per_rank(cuda, cuda_layout, "none", 2, 16, plan.CUBLAS_WORKSPACES_MB),
+        key=lambda r: r["peak"],
+    )
+    assert m["predicted_peak_mb"] == pytest.approx(top["peak"], rel=1e-12)
+
+
 def test_zero1_ranks_hold_the_state_of_what_they_own(tiny_plan):
     cfg, spec, prediction, layout = tiny_plan
     ranks = plan_ranks.per_rank(prediction, layout, "zero1", 2, 16, 0.0)
