@@ -19,23 +19,31 @@ def packaged_path(package: str) -> Path:
     return Path(importlib.import_module(package).get_model_path())
 
 
-def load_tokenizer(model_cfg: DictConfig):
+_FELL_BACK: set[str] = set()  # the models whose tokenizer this process replaced, said once each
+
+
+def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
+    """The model's tokenizer: packaged, from the hub (pretrained), or from the local cache. A random-weight model
+    (or any model with `local_only`: a plan, which needs only the batch's tensor names) asks no network: where
+    its tokenizer is not cached it gets the packaged MiniLM one, said once per process."""
     from transformers import AutoTokenizer
 
     if model_cfg.package:
         tokenizer = AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
     else:
-        try:  # a random-weight model asks no network for its tokenizer: the local cache or the fallback
-            tokenizer = AutoTokenizer.from_pretrained(
-                model_cfg.hub_id, local_files_only=not model_cfg.pretrained
-            )
+        offline = local_only or not model_cfg.pretrained
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_cfg.hub_id, local_files_only=offline)
         except OSError:
-            if model_cfg.pretrained:
+            if not offline:
                 raise
-            log.warning(
-                "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (random weights anyway)",
-                model_cfg.hub_id,
-            )
+            if model_cfg.hub_id not in _FELL_BACK:
+                _FELL_BACK.add(model_cfg.hub_id)
+                log.warning(
+                    "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (%s)",
+                    model_cfg.hub_id,
+                    "a plan needs only its tensor names" if local_only else "random weights anyway",
+                )
             tokenizer = AutoTokenizer.from_pretrained(packaged_path(FALLBACK_TOKENIZER_PACKAGE))
     if tokenizer.pad_token is None:  # GPT-2 has none; batches need one
         tokenizer.pad_token = tokenizer.eos_token

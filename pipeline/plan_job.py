@@ -69,7 +69,7 @@ def plan_result(cfg) -> dict:
         config.pad_token_id = 0
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
     seq = cfg.train.max_length
-    names = tuple(models.load_tokenizer(cfg.model).model_input_names)  # the batch's tensors
+    names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
     prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names)
     model = prediction["model"]
     num_params = sum(p.numel() for p in model.parameters())

@@ -9,6 +9,8 @@ What is left out by default, each at its source (never by hiding a stream, so er
   loaded at import: `transformers.trainer` imports torchao for every job), logger `torchao`;
 - torch's "<enum ...> is an Enum subclass and is now natively supported" deprecation warnings, which torchao's
   import triggers (logger `torch.utils._pytree`);
+- bitsandbytes' "Failed to load CPU gemm_4bit_forward" (an optional CPU kernel from a package not installed)
+  and galore-torch's FutureWarning that its own AdamW is deprecated;
 - transformers' LOAD REPORT table (logger `transformers.modeling_utils`) when all it lists is the
   classification head missing from a pretrained checkpoint, which fine-tuning a classifier expects: one line
   naming the head instead (any other load report stays whole).
@@ -108,7 +110,14 @@ NOISE = {
     "torchao": ("Failed to load ", _no_cuda),
     "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported", lambda: True),
     "torchao.kernel.intmm": ("Warning: Detected no triton", _no_cuda),  # triton's kernels are CUDA's
+    # bitsandbytes' optional fast CPU 4-bit kernel, from the `kernels` package (not installed): the plain one runs
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward", lambda: True),
 }
+# Python warnings a quiet console leaves out: (message start, category)
+WARNINGS = [
+    # galore-torch's own AdamW says it is deprecated in favour of torch's (it is the one GaLore's step needs)
+    ("This implementation of AdamW is deprecated", FutureWarning),
+]
 
 
 def install(level: str | None = None) -> None:
@@ -120,6 +129,10 @@ def install(level: str | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
             logger.addFilter(_Drop(prefix, applies))
+    import warnings
+
+    for message, category in WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
     logger = logging.getLogger("transformers.modeling_utils")
     if not any(isinstance(f, _HeadReport) for f in logger.filters):
         logger.addFilter(_HeadReport())

@@ -236,6 +236,17 @@ def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
     return Failure("exception", f"job process exited with {returncode} and no error report")
 
 
+def plan_text(cfg: DictConfig, result: dict) -> str:
+    """A single plan's table and verdict, as a sweep's report prints them (pipeline.report.tables)."""
+    import pandas as pd
+
+    from pipeline.report.tables import plan_console, plan_table
+
+    params = {k: str(v) for k, v in {**job_params(cfg), **result["params"]}.items()}
+    table = plan_table(pd.DataFrame([{**params, **result["metrics"], "status": "FINISHED"}]))
+    return plan_console(table)
+
+
 def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
     """A plan job's record, made here: it loads no weights and trains nothing."""
     from pipeline import plan_job
@@ -555,6 +566,8 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
             )
             return Outcome(name, "UNRECORDED", score, reason=f"waits in {job_dir}")
         if failure is None:
+            if cfg.plan and not sweep:  # a single plan's answer (a sweep's comes in its report)
+                print(plan_text(cfg, result))
             return Outcome(name, "FINISHED", score)
         status = journal.status_of(failure.reason)  # as the run ends: KILLED for a cancel, else FAILED
         print(f"[job] {name} {status} ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)

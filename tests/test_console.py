@@ -12,7 +12,8 @@ NOISE = ("Failed to load", "is an Enum subclass", "Detected no triton", "LOAD RE
 # the sweep's own lines: Hydra's launch lines, ours, MLflow's creating a new store, the tables
 OURS = re.compile(
     r"^(\[sweep\]|\[job\]|\[transformers\] \w+: the classification head|\[[\d\- :,]+\]\[HYDRA\]|"
-    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|verdict: |plan:|\s*model |\s*(minilm|tiny) )"
+    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|verdict: |plan:|\s*model |"
+    r"\s*(minilm|tiny|distilbert-base-cased) |[\w.-]+: [\d,]+ parameters )"
 )
 
 
@@ -35,13 +36,27 @@ def test_a_minilm_sweep_prints_one_head_line_per_job_and_no_library_noise(tmp_pa
     assert stray(console) == [], console
 
 
-def test_a_plan_sweep_prints_no_library_noise(tmp_path):
-    proc = run_cli(tmp_path, "-m", "plan=true", "model=tiny", "optim=adamw,adafactor", "device_memory=t4")
+def test_a_plan_sweep_prints_no_library_noise_and_each_warning_once(tmp_path):
+    """A plan sweep of a pretrained model whose tokenizer is not cached (a plan asks no network for it), with
+    GaLore and an 8-bit optimizer: the tokenizer's fallback said once for the sweep (not once per point), and
+    none of the libraries' lines (bitsandbytes' optional CPU kernel, galore-torch's deprecation of its AdamW)."""
+    args = [
+        "-m",
+        "plan=true",
+        "model=distilbert-base-cased",
+        "optim=adamw,galore_adamw,adamw_8bit",
+        "batch_size=8,16",
+    ]
+    proc = run_cli(tmp_path, *args, "device_memory=t4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stdout + proc.stderr
-    for noise in NOISE:
+    for noise in (*NOISE, "gemm_4bit_forward", "FutureWarning", "is deprecated"):
         assert noise not in console, noise
-    assert stray(console) == [], console
+    fallback = [
+        line for line in console.splitlines() if "is not cached; using the packaged MiniLM tokenizer" in line
+    ]
+    assert len(fallback) == 1, fallback
+    assert stray(console) == fallback, console
 
 
 def test_another_load_report_passes_whole():

@@ -73,14 +73,29 @@ def test_the_plan_ends_with_one_verdict_line_per_setting(plan_sweep):
                 *baseline_first(r.data.params["optim"]),
             ),
         )
-        sizes = [f"{r.data.params['optim']} ({int(r.data.metrics['predicted_max_batch_size'])})" for r in fit]
+        sizes = [
+            f"{r.data.params['optim']} ({int(r.data.metrics['predicted_max_batch_size'])}; {left(r.data.metrics)})"
+            for r in fit
+        ]
         if sizes:
             sizes[0] = sizes[0].replace("(", "(largest ", 1)
         line = f"fits 60 MB at batch 16 (model {model}): {', '.join(sizes) or 'none'}"
-        no = [r.data.params["optim"] for r in mine if r.data.metrics["fits"] == 0]
-        no = sorted(no, key=baseline_first)
-        line += f"; does not fit: {', '.join(no)}" if no else ""
+        no = sorted(
+            (r for r in mine if r.data.metrics["fits"] == 0),
+            key=lambda r: baseline_first(r.data.params["optim"]),
+        )
+        shorts = [f"{r.data.params['optim']} ({left(r.data.metrics)})" for r in no]
+        line += f"; does not fit: {', '.join(shorts)}. To fit " if no else ""
         assert proc.stdout.count(line) == 1, (line, proc.stdout[-3000:])
+
+
+def left(m: dict) -> str:
+    """What the verdict says the budget leaves beside a plan's peak (headroom), or how short it falls."""
+    mb = m["predicted_headroom_mb"]
+    shown = lambda v: f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"  # noqa: E731
+    return (
+        f"{shown(mb)} MB, {m['predicted_headroom_pct']:.1f}% left" if mb >= 0 else f"short by {shown(-mb)} MB"
+    )
 
 
 def direct(monkeypatch, config, spec, cfg, batch: int, cuda: bool = False) -> dict:

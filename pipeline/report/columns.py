@@ -152,11 +152,15 @@ PLAN_COLUMNS = {
     "budget [MB]": "budget_mb",
     "fits": "fits",
     "largest batch [samples]": "predicted_max_batch_size",
+    "headroom [MB]": "predicted_headroom_mb",
+    "headroom [%]": "predicted_headroom_pct",
     "ranks needed": "predicted_min_ranks",
     "largest batch there [samples]": "predicted_max_batch_at_min_ranks",
-    "ZeRO formula [MB]": "deepspeed_zero_mb",
-    "accelerate estimate [MB]": "accelerate_estimate_mb",
-    "18 bytes/param [MB]": "bytes_rule_mb",
+    # the field's rules of thumb: Adam's state whatever the optimizer (anchors, not this plan's figures)
+    "ZeRO formula, Adam [MB]": "deepspeed_zero_mb",
+    "accelerate estimate, Adam [MB]": "accelerate_estimate_mb",
+    "18 bytes/param, Adam [MB]": "bytes_rule_mb",
+    "parameters": "model_num_params",
 }
 
 # param optim_variant -> (the label beside the optimizer, what it means); `plain` gets none

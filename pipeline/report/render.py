@@ -64,6 +64,7 @@ from pipeline.report.tables import (
     is_fit_job,
     is_plan_job,
     pareto_front,
+    plan_console,
     plan_display,
     plan_table,
     plan_verdict,
@@ -363,12 +364,7 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
         text += tuned_console(tuned)
     if (out / "plan.csv").exists():
         plans = pd.read_csv(out / "plan.csv")
-        text = (
-            ("" if len(table) else "plan:\n")
-            + plan_display(plans).to_string(index=False)
-            + "".join(f"\nverdict: {line}" for line in plan_verdict(plans))
-            + ("\n\n" + text if len(table) else "")
-        )
+        text = ("" if len(table) else "plan:\n") + plan_console(plans) + ("\n\n" + text if len(table) else "")
     if (out / "fits.csv").exists():  # a sweep of searches only: their table is the whole story
         fits = "largest batch that fits:\n" + _plain(pd.read_csv(out / "fits.csv")).to_string(index=False)
         text = text + "\n\n" + fits if len(table) else fits

@@ -289,9 +289,11 @@ def _ranks_phrase(rows: pd.DataFrame) -> str:
 
 def ranks_verdict(table: pd.DataFrame) -> list[str]:
     """One line per model x device x batch of a plan table that names a budget: per optimizer, the smallest
-    number of ranks that fits the batch (over the shardings planned) and the largest batch per rank there."""
+    number of ranks that fits the batch (over the shardings planned) and the largest batch per rank there;
+    where no sharding planned can fit at any number of ranks (DDP replicates the whole step), which fit at the
+    ranks planned (fit_verdict)."""
     if "ranks needed" not in table or "largest batch there [samples]" not in table:
-        return []
+        return fit_verdict(table)
     # the named GPU where one was named (the column is empty where the budget is memory_budget_mb)
     named = "device_memory" in table and table["device_memory"].notna().any()
     where = "device_memory" if named else "budget [MB]"
@@ -315,9 +317,39 @@ def plan_verdict(plans: pd.DataFrame) -> list[str]:
     return fit_verdict(plans)
 
 
+def _left(row) -> str:
+    """What the budget leaves beside a row's predicted peak: `913 MB, 1.2% left` (short: `short by 2,345 MB`)."""
+    mb, pct = row.get("headroom [MB]"), row.get("headroom [%]")
+    if mb is None or pd.isna(mb):
+        return ""
+    if mb < 0:
+        return f"short by {_readable(-mb)} MB"
+    return f"{_readable(mb)} MB, {pct:.1f}% left"
+
+
+def levers(rows: pd.DataFrame, short: pd.DataFrame) -> str:
+    """The ways out the pipeline has for a planned setting whose rows `short` do not fit, less those it uses
+    already: checkpointing, bf16 weights, a smaller batch (where one fits), sharding over more GPUs."""
+    first = rows.iloc[0]
+    largest = short.get("largest batch [samples]", pd.Series(dtype=float)).fillna(0)
+    ways = []
+    if str(first.get("checkpointing", "False")) != "True":
+        ways.append("train.gradient_checkpointing=true (activations recomputed in backward)")
+    if first.get("precision", "fp32") != "bf16_pure":
+        ways.append(
+            "train.precision=bf16_pure (bf16 weights, 2 bytes each: under mixed bf16 and fp32 they are fp32, 4)"
+        )
+    if len(largest) and largest.min() >= 1:
+        ways.append(f"a smaller batch_size (up to {int(largest.min())} fits)")
+    if first.get("sharding", "none") != "fsdp":
+        ways.append("sharding over N GPUs (launcher.nproc_per_job=N train.sharding=fsdp, or zero1)")
+    return "; ".join(ways)
+
+
 def fit_verdict(plans: pd.DataFrame) -> list[str]:
     """One line per planned setting (model, precision, batch, device ... besides the optimizer) with a budget:
-    `fits h100-80gb at batch 4: adafactor (largest 76), adamw_8bit (42); does not fit: adamw`."""
+    `fits h100-80gb at batch 4: adafactor (largest 76; 40,201 MB, 53.0% left), adamw_8bit (42; ...); does not
+    fit: adamw (short by 1,234 MB)`, and where one does not fit, the levers that could make it."""
     if plans.empty or "fits" not in plans:
         return []
     optimizer, batch = KEY_LABELS["optim"], KEY_LABELS["batch_size"]
@@ -334,16 +366,62 @@ def fit_verdict(plans: pd.DataFrame) -> list[str]:
         fit = rows[rows.fits.eq("yes")]
         if largest in rows and fit[largest].notna().any():
             fit = fit.sort_values(largest, ascending=False, kind="stable")
-        sizes = [
-            f"{o} ({'largest ' if i == 0 else ''}{int(n)})" if pd.notna(n) else str(o)
-            for i, (o, n) in enumerate(zip(fit[optimizer], fit.get(largest, [None] * len(fit)), strict=True))
-        ]
+        sizes = []
+        for i, (_, row) in enumerate(fit.iterrows()):
+            n = row.get(largest)
+            said = [f"{'largest ' if i == 0 else ''}{int(n)}" if pd.notna(n) else "", _left(row)]
+            said = "; ".join(x for x in said if x)
+            sizes.append(f"{row[optimizer]} ({said})" if said else str(row[optimizer]))
         lead = f"fits {where} at batch {first[batch]}" + (f" ({setting})" if setting else "")
-        no = rows[rows.fits.ne("yes")][optimizer].tolist()
-        lines.append(
-            f"{lead}: {', '.join(sizes) or 'none'}" + (f"; does not fit: {', '.join(no)}" if no else "")
+        no = rows[rows.fits.ne("yes")]
+        short = [
+            f"{row[optimizer]} ({_left(row)})" if _left(row) else str(row[optimizer])
+            for _, row in no.iterrows()
+        ]
+        line = f"{lead}: {', '.join(sizes) or 'none'}" + (
+            f"; does not fit: {', '.join(short)}" if short else ""
         )
+        if len(no):
+            line += f". To fit {'it' if len(no) == 1 else 'them'}: {levers(rows, no)}"
+        lines.append(line)
     return lines
+
+
+# the plan table's rules of thumb (Adam's, whatever the optimizer) and the model's size: said below the
+# console's table, once per model, instead of as columns repeating one figure per optimizer
+ANCHORS = ["ZeRO formula, Adam [MB]", "accelerate estimate, Adam [MB]", "18 bytes/param, Adam [MB]"]
+
+
+def _span(values: pd.Series) -> str:
+    """`61,264`, or `30,632-61,264` where the figure differs between rows (ranks, sharding, batch)."""
+    low, high = values.min(), values.max()
+    return _readable(high) if low == high else f"{_readable(low)}-{_readable(high)}"
+
+
+def plan_console(plans: pd.DataFrame) -> str:
+    """What the console shows of a plan: its table (less the per-model figures), the verdict lines, the model's
+    parameter count and the field's rules of thumb for it, and what the parts are."""
+    shown = plans.drop(columns=[c for c in [*ANCHORS, "parameters"] if c in plans])
+    lines = [plan_display(shown).to_string(index=False)]
+    lines += [f"verdict: {line}" for line in plan_verdict(plans)]
+    model = "model" if "model" in plans else None
+    for _, rows in plans.groupby(model, sort=False) if model else [(None, plans)]:
+        first = rows.iloc[0]
+        name = f"{first['model']}: " if model else ""
+        if "parameters" in rows and pd.notna(first["parameters"]):
+            n = first["parameters"]
+            said = f"{name}{n:,.0f} parameters ({n / 1e9:.2f} B)"
+            anchors = [(a, rows[a]) for a in ANCHORS if a in rows and rows[a].notna().any()]
+            if anchors:
+                said += "; the field's rules of thumb, Adam's state whatever the optimizer: " + ", ".join(
+                    f"{a.split(',')[0]} {_span(v)} MB" for a, v in anchors
+                )
+            lines.append(said)
+    lines.append(
+        "(parts: what memory holds at the moment of the predicted peak, not each part's own largest: at a peak in "
+        "backward the gradients made so far, not all of them; MB = 2^20 bytes)"
+    )
+    return "\n".join(lines)
 
 
 def console_table(table: pd.DataFrame) -> str:
