@@ -242,7 +242,7 @@ def plan_text(cfg: DictConfig, result: dict) -> str:
 
     from pipeline.report.tables import plan_console, plan_table
 
-    params = {k: str(v) for k, v in {**job_params(cfg), **result["params"]}.items()}
+    params = {k: str(v) for k, v in {**job_params(cfg), **result["params"]}.items() if v is not None}
     table = plan_table(pd.DataFrame([{**params, **result["metrics"], "status": "FINISHED"}]))
     return plan_console(table)
 

@@ -305,3 +305,14 @@ def test_an_8b_decoder_is_planned_on_this_machine(tmp_path):
     assert by["adamw"]["predicted_peak_params_mb"] == pytest.approx(7_504_932_864 * 4 / MB, rel=1e-4)
     assert by["adamw"]["fits"] == 0 and by["adafactor"]["fits"] == 1
     assert by["adafactor"]["predicted_max_batch_size"] > 0
+
+
+def test_a_single_plan_prints_its_table_and_verdict(tmp_path):
+    """Without -m, a plan prints what a plan sweep prints for its one row: the table, the verdict, the model's
+    size."""
+    proc = run_cli(tmp_path, "plan=true", "model=tiny", "memory_budget_mb=60")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted peak [MB]" in proc.stdout and "headroom [MB]" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("verdict: ")]
+    assert line.startswith("verdict: fits 60 MB at batch 16: adamw (largest ")
+    assert "tiny: 1,0" in proc.stdout and " parameters (0.00 B)" in proc.stdout
