@@ -20,16 +20,38 @@ SCHEDULED = ("slurm", "submitit_local")  # launchers whose scheduler places the 
 SUBMITIT_DIR = ".submitit"  # in the sweep folder: submitit's folder per job (the presets' submitit_folder)
 
 
+def nvml_device_count(library: str = "libnvidia-ml.so.1") -> int | None:
+    """How many NVIDIA GPUs the driver's management library (NVML) counts, None where it cannot be asked. NVML
+    never initialises CUDA, and asking it costs no torch import (seconds in the launching process)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL(library)
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint(0)
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0 else None
+    finally:
+        nvml.nvmlShutdown()
+
+
 def visible_gpus() -> list[str]:
-    """The GPUs this process may hand out: $CUDA_VISIBLE_DEVICES when set, else every device torch sees."""
+    """The GPUs this process may hand out: $CUDA_VISIBLE_DEVICES when set, else every device NVML counts (torch's
+    count where NVML cannot answer: ROCm)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [d.strip() for d in env.split(",") if d.strip()]
     if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
         return []  # no NVIDIA or ROCm device node: spare the launching process torch's import (seconds)
-    import torch  # only when the variable is unset: torch's NVML count does not initialise CUDA
+    count = nvml_device_count()
+    if count is None:
+        import torch  # only when the variable is unset: torch's NVML count does not initialise CUDA
 
-    return [str(i) for i in range(torch.cuda.device_count())]
+        count = torch.cuda.device_count()
+    return [str(i) for i in range(count)]
 
 
 def too_few_gpus(nproc: int, gpus: list[str]) -> str:

@@ -50,7 +50,8 @@ from pathlib import Path
 MODES = ("warm", "cold")  # launcher.start_jobs
 PRELOAD = "pipeline.preload"  # the module the starter imports once (torch, transformers, ...)
 STARTER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() without the driver
-# set by each child for itself (torch reads its compile cache's folder only as it compiles, never at import)
+# set by each child for itself (inductor reads its compile cache's folder as it compiles; only dynamo's precompile
+# cache, used with TORCH_CACHING_PRECOMPILE=1 alone, takes it at import)
 PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
 # overrides that decide whether a command's jobs start warm, or the environment they start in: a command with
 # one of them starts its starter once its config is composed (runner.prestart), not from its command line
@@ -72,6 +73,9 @@ KEEP_ENV = "PIPELINE_STARTER_KEEP_S"  # seconds a starter waits for another comm
 ADDRESS_DIR = f"optimizer-sweep-starters-{os.getuid()}"  # in the temporary folder: sockets and logs
 CONNECT_WAIT_S = 30  # how long a job waits for a starter just started to listen
 REFUSED = "[starter] serves no job:"  # the line a starter that found CUDA initialised leaves in its log
+BAD_FORK = (
+    75  # a warm child's exit status when it finds itself forked after CUDA's initialisation (EX_TEMPFAIL)
+)
 STATUS = struct.Struct("q")  # a job's pid, then its exit status, as the starter sends them
 
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
@@ -143,11 +147,19 @@ def refusal(path: str) -> str | None:
     return None
 
 
-def cuda_initialised() -> bool:
-    """Whether this process has initialised CUDA (or was forked from one that had: a bad fork)."""
+def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
+    """Whether this process has initialised CUDA (or was forked from one that had: a bad fork), as torch says,
+    or has the CUDA driver's library loaded: a CUDA runtime call that leaves torch's own flags unset
+    (cudaGetDeviceCount, which torch's availability check makes where NVML cannot answer) loads it, and a fork
+    after it is as unusable. (`maps`: this process's memory map.)"""
     import torch
 
-    return torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()
+    if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
+        return True
+    try:
+        return "/libcuda.so" in Path(maps).read_text()
+    except OSError:
+        return False
 
 
 def keep_seconds(env: dict) -> float:
@@ -267,13 +279,24 @@ def _child(job_dir: str, env: dict, module: str) -> None:
     code = 1
     try:
         # a fork after CUDA's initialisation is unusable: torch marks it a bad fork (is_initialized() then reads
-        # False in the child, whose first CUDA call would fail with torch's generic error)
+        # False in the child, whose first CUDA call would fail with torch's generic error); the command starts
+        # the job again cold (Job.wait)
         if torch.cuda._is_in_bad_fork() or torch.cuda.is_initialized():
-            raise RuntimeError(
-                "the job starter had initialised CUDA before forking: start jobs cold (launcher.start_jobs=cold)"
-            )
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
-        code = importlib.import_module(module).main(Path(job_dir))
+            code = BAD_FORK
+            print(f"[job] {Path(job_dir).name}: forked from a job starter with CUDA initialised: it does not run "
+                  "here", file=sys.stderr)  # fmt: skip
+        else:
+            torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+            code = importlib.import_module(module).main(Path(job_dir))
+    except BaseException:  # before the job's own reporting began: its traceback, and the runner's files
+        import traceback
+
+        traceback.print_exc()
+        with contextlib.suppress(Exception):
+            from pipeline.job import ERROR_FILE, FAILURE_FILE
+
+            (Path(job_dir) / ERROR_FILE).write_text(traceback.format_exc())
+            (Path(job_dir) / FAILURE_FILE).write_text(json.dumps({"reason": "exception", "metrics": {}}))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -362,6 +385,9 @@ class Job:
                     self._cold()
                     self.how = "cold"
             self.status = self._status()
+            if self.status == BAD_FORK and self.popen is None:  # forked after CUDA's initialisation: cold
+                self._restart_cold()
+                self.status = self._status()
         except BaseException:
             self.kill()
             raise
@@ -369,6 +395,18 @@ class Job:
             if self.sock is not None and self.status is not None:
                 self.sock.close()
         return self.status
+
+    def _restart_cold(self) -> None:
+        """The warm child found itself forked after CUDA's initialisation and did not run: the job starts cold,
+        and so do the command's next ones."""
+        global _address
+        print(f"[job] {self.job_dir.name}: the job starter had CUDA initialised: this job and the command's "
+              "next ones start cold", file=sys.stderr, flush=True)  # fmt: skip
+        _address = None
+        self.sock.close()
+        self.sock, self.status, self.pid = None, None, None
+        self._cold()
+        self.how = "cold"
 
     def kill(self) -> None:
         """End the job where it still runs (SIGKILL to its process group) and wait for that end. A warm job the

@@ -71,6 +71,35 @@ def test_gpu_pool_takes_whole_sets_and_frees_them_on_exit(tmp_path):
             pass
 
 
+def test_the_gpus_are_counted_by_nvml_without_torch(monkeypatch):
+    """The launching process counts the GPUs it hands out through the driver's NVML (no torch import, no CUDA),
+    as nvmlInit_v2 / nvmlDeviceGetCount_v2 / nvmlShutdown answer; None where the library cannot be loaded."""
+    import ctypes
+
+    from pipeline import placement
+
+    calls = []
+
+    class Nvml:
+        def nvmlInit_v2(self):
+            calls.append("init")
+            return 0
+
+        def nvmlDeviceGetCount_v2(self, count):
+            calls.append("count")
+            ctypes.cast(count, ctypes.POINTER(ctypes.c_uint)).contents.value = 3
+            return 0
+
+        def nvmlShutdown(self):
+            calls.append("shutdown")
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Nvml())
+    assert placement.nvml_device_count() == 3 and calls == ["init", "count", "shutdown"]
+    monkeypatch.undo()
+    assert placement.nvml_device_count("libnvidia-ml-absent.so.1") is None
+
+
 def test_cpu_cores_are_split_between_parallel_jobs_and_their_ranks():
     cores = len(os.sched_getaffinity(0))
     assert cpu_threads(1, 1) == cores

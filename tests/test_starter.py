@@ -16,8 +16,9 @@ from conftest import ROOT, TINY, cli_env, compose_cfg, run_cli, running, starter
 from pipeline import quiet, starter
 
 # Run in a fresh interpreter as on a CUDA build on a machine with a GPU: `torch.version.cuda` set (the CPU wheel
-# has None, and libraries skip their CUDA branches on it), availability through NVML answering True (as the
-# starter's environment makes it), torch's CUDA entry points replaced by recorders, and triton importable (from
+# has None, and libraries skip their CUDA branches on it), torch's CUDA entry points replaced by recorders that
+# answer as one GPU would (availability and the device count too: without NVML they reach the driver), and
+# triton importable (from
 # TRITON's own folder, where it installs); then the modules imported. Prints the entry points that were called
 # (each initialises the CUDA driver), with where from.
 CUDA_PROBE = """
@@ -35,9 +36,8 @@ def recorder(name, value):
         return value
     return call
 properties = type("Properties", (), {"major": 9, "minor": 0, "name": "GPU", "total_memory": 80 * 10**9})()
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: 1
-for name, value in [("_lazy_init", None), ("init", None), ("get_device_capability", (9, 0)),
+for name, value in [("is_available", True), ("device_count", 1), ("_lazy_init", None), ("init", None),
+                    ("get_device_capability", (9, 0)),
                     ("get_device_properties", properties), ("current_device", 0), ("get_device_name", "GPU"),
                     ("set_device", None), ("synchronize", None), ("mem_get_info", (0, 0))]:
     setattr(torch.cuda, name, recorder(name, value))
@@ -125,6 +125,46 @@ class Initialising(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Initialising())
 """
+
+
+def test_the_driver_library_loaded_counts_as_cuda_initialised(tmp_path):
+    """A CUDA runtime call that torch's flags do not record (cudaGetDeviceCount) loads the driver's library: the
+    starter reads its memory map for it."""
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcudart.so.12\n")
+    assert not starter.cuda_initialised(str(maps))
+    maps.write_text(
+        maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.580.1\n"
+    )
+    assert starter.cuda_initialised(str(maps))
+    assert not starter.cuda_initialised()  # this CPU process
+
+
+# A sitecustomize that, in the process that imports pipeline.preload (the starter alone), makes every child it
+# forks a bad fork, as torch's own fork handler marks the children of a process with CUDA initialised.
+BAD_FORKS = INITIALISING.replace(
+    "torch.cuda._initialized = True",
+    "os.register_at_fork(after_in_child=lambda: setattr(torch.cuda, '_is_in_bad_fork', lambda: True))",
+).replace("import importlib.abc", "import os, importlib.abc")
+
+
+def test_a_job_forked_after_cudas_initialisation_starts_again_cold(tmp_path):
+    """A warm child that finds itself a bad fork does not run: the command starts that job cold, with one line,
+    and its next jobs cold too; every point finishes."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BAD_FORKS)
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "TEST_TAG": str(tmp_path)}
+    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sweep_runs(tmp_path)[1]
+    assert [r.data.tags["job_start"] for r in runs] == ["cold", "cold"]
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("forked from a job starter with CUDA initialised: it does not run here"), lines
+    assert lines[1].endswith(
+        "the job starter had CUDA initialised: this job and the command's next ones start cold"
+    )
 
 
 def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_start_cold(tmp_path):
