@@ -4,9 +4,10 @@ MLflow 3's UI opens an experiment in its GenAI mode (traces, an overview of "0 t
 for the model-training one (`workflowType=machine_learning`), and its runs table starts with Dataset, Source
 and Models. This prints the address of the experiment's runs table in the model-training mode with a saved
 view ("Optimizer figures": the description, state, peak, F1 and throughput first) and the address of the
-latest sweep's jobs, best first (a saved view per sweep, `sweep-<parent run id>`: the page that opens), then
-serves a local store with `mlflow ui` (a server serves its own UI: the addresses are printed only). The
-sweep's end prints its own view's address the same way (sweep_url, sweep_line). See docs/mlflow.md.
+latest sweep's jobs, best first (a saved view per sweep, `sweep-<parent run id>`: the page that opens, its
+jobs' F1, peak and state first, as rounded display copies: display_metrics), then serves a local store with
+`mlflow ui` (a server serves its own UI: the addresses are printed only). The sweep's end prints its own
+view's address the same way (sweep_url, sweep_line). See docs/mlflow.md.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ VIEW_KEY, VIEW_NAME = "optimizer-figures", "Optimizer figures"
 # view's column order within it
 METRICS = ["eval_f1", "eval_macro_f1", "optimizer_state_mb", "peak_memory_mb", "train_samples_per_second"]
 PARAMS = ["batch_size", "lr", "model", "optim"]
+# display copies of three of those, rounded for the runs table (the 3.17 UI shows a metric's float as it is:
+# no formatter, no precision setting): name -> (the exact metric it copies, how it rounds). Logged beside the
+# exact metrics (which stay as they are), where the run's description is made (display_metrics). Capitalised:
+# the UI sorts a group's keys by code unit, so they come before every lowercase metric, in this order
+DISPLAY = {
+    "F1": ("eval_f1", "f1"),
+    "Peak MB": ("peak_memory_mb", "mb"),
+    "State MB": ("optimizer_state_mb", "mb"),
+}
 SWEEP_VIEW = "sweep-"  # + parent run id: the saved view of one sweep's jobs
 METRIC_TAG, METRIC = "eval_metric", "macro_f1"  # the parent run's tag: the metric its jobs are ranked by
 # the most runs a sweep's view lists by id (a sweep with points FINISHED before; more: only the jobs it ran),
@@ -51,22 +61,49 @@ def _column(kind: str, key: str) -> str:
     return f"{kind}.`{key}`"
 
 
+def display_value(value: float, how: str) -> float:
+    """`value` rounded as the runs table should read it: an F1 to 3 decimals (0.727, as the description), MB
+    to 3 significant digits, whole MB from 1000 on (7.72, 22.9, 1234: pipeline.job.short_mb's figures)."""
+    if how == "f1":
+        return float(f"{value:.3f}")
+    return float(f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}")
+
+
+def display_metrics(metrics: dict) -> dict:
+    """The display copies (DISPLAY) of a run's `metrics`, to log beside them: `F1` (eval_f1), `Peak MB`
+    (peak_memory_mb) and `State MB` (optimizer_state_mb), rounded (display_value); those whose exact metric
+    the run lacks are left out. The exact metrics are not touched."""
+    return {
+        name: display_value(float(metrics[key]), how)
+        for name, (key, how) in DISPLAY.items()
+        if metrics.get(key) is not None
+    }
+
+
 def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     """A saved view: the run's description (state, peak and F1, with units), the key metrics and params,
     then Dataset and Duration; Source and Models (empty for these runs) left out. Every run, sorted by start
     time, so a sweep's parent run keeps its jobs under it; or the runs `search_filter` finds (one sweep's
     jobs), best `eval_<metric>` first: the UI nests runs only when they are sorted by time, so these come as
-    a flat list (sorted by time, a filter on the parent would show the parent's row with its jobs folded)."""
+    a flat list (sorted by time, a filter on the parent would show the parent's row with its jobs folded).
+    One sweep's view starts with the display copies (F1, Peak MB, State MB: rounded, sortable) and the tag
+    collapsed (true: a model whose F1 may look good though it predicts one class, as the description says)
+    before the description, so that they are on the first screen; every run's view has none of them (a
+    sweep's own row, the parent run, carries only the exact figures)."""
     description, dataset = _column("attributes", "Description"), _column("attributes", "Dataset")
+    copies = [_column("metrics", key) for key in DISPLAY] + [_column("tags", "collapsed")]
+    shown = copies if search_filter else []
     metrics = [_column("metrics", key) for key in METRICS]
     params = [_column("params", key) for key in PARAMS]
-    order = [_column("attributes", "Run Name"), description, *metrics, *params, dataset]
+    order = [_column("attributes", "Run Name"), *shown, description, *metrics, *params, dataset]
     # within the 940 px the table gets at 1600 px beside the sidebar and MLflow's Assistant panel (a fresh
-    # browser opens both): a job's name, its start and the 50 characters of a description the table shows
+    # browser opens both): a job's name and its start, then its figures and the tag (one sweep's view, the
+    # description begun) or the 50 characters of a description the table shows (every run's view)
     widths = {_column("attributes", "Run Name"): 300, description: 330, dataset: 260}
     widths |= {column: 130 for column in metrics} | {column: 110 for column in params}
+    widths |= {column: 85 for column in shown}
     state = {
-        "selectedColumns": [description, *metrics, *params, dataset],
+        "selectedColumns": [*shown, description, *metrics, *params, dataset],
         "columnOrder": [*order, _column("attributes", "Duration")],
         "columnWidths": widths,
         "orderByKey": "attributes.start_time",

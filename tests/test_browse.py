@@ -97,6 +97,30 @@ def test_runs_describe_their_result_and_the_experiment_is_model_training(sweep):
             f"state {m['optimizer_state_mb']:.3g} MB, peak {peak:.3g} MB, F1 {f1:.3f}{collapsed}"
         )
         assert len(description) <= 50
+        # beside the exact figures (not rounded: a float32 byte count / 2**20), their display copies, rounded
+        assert {k: m[k] for k in browse.DISPLAY} == browse.display_metrics(m)
+        assert m["optimizer_state_mb"] == run.data.metrics["optimizer_state_bytes"] / 2**20
+
+
+def test_the_display_copies_round_the_figures_and_come_first_in_a_sweeps_view():
+    exact = {"eval_f1": 0.7269255251, "optimizer_state_mb": 7.716724395751953, "peak_memory_mb": 22.8962059}
+    assert browse.display_metrics(exact) == {"F1": 0.727, "Peak MB": 22.9, "State MB": 7.72}
+    assert exact["eval_f1"] == 0.7269255251  # the exact metrics stay as they are
+    assert browse.display_metrics({"peak_memory_mb": 1234.56, "eval_f1": 1.0}) == {
+        "Peak MB": 1235.0,
+        "F1": 1.0,
+    }
+    assert browse.display_metrics({"peak_memory_mb": 0.012345}) == {"Peak MB": 0.0123}
+    assert browse.display_metrics({"train_loss": 0.5}) == {}
+    # the UI orders a group's metrics by code unit before it applies a view's order: the copies sort first
+    assert sorted([*browse.DISPLAY, *browse.METRICS]) == [*browse.DISPLAY, *browse.METRICS]
+    copies = [f"metrics.`{key}`" for key in browse.DISPLAY]
+    state = browse.view_state("tags.mlflow.parentRunId = 'abc'")
+    first = [*copies, "tags.`collapsed`", "attributes.`Description`"]  # the tag: the description's marker
+    assert state["selectedColumns"][:5] == first
+    assert state["columnOrder"][:6] == ["attributes.`Run Name`", *first]
+    assert state["orderByKey"] == "metrics.`eval_macro_f1`"  # ranked by the exact figure
+    assert not set(copies) & set(browse.view_state()["selectedColumns"])  # a sweep's row has no copies
 
 
 def test_each_job_logs_its_splits_as_dataset_inputs(sweep):
@@ -219,6 +243,16 @@ def edges(page, columns: list[str]) -> dict:
     )
 
 
+def shown_figures(page, run_id: str, columns: list[str]) -> dict:
+    """The text of one run's cells in `columns` (header ids), as the runs table shows them (once drawn)."""
+    row = f"document.querySelector(\".ag-center-cols-container .ag-row[row-id='{run_id}']\")"
+    cell = "(r, k) => r.querySelector(`[col-id='${k}']`)"
+    return page.wait_for(
+        f"((r, cell) => Object.fromEntries({json.dumps(columns)}.map(k => [k, cell(r, k).innerText.trim()])))"
+        f"({row}, {cell})"
+    )
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, tmp_path):
     _, proc, parent, children = sweep
@@ -242,15 +276,37 @@ def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, 
         assert "workflowType=machine_learning" in page.js("location.hash") and "Traces 0" not in page.js(
             "document.body.innerText"
         )
-        # the name and the description whole, the first metric begun, within the first screen
-        shown, metric = (
-            ["attributes.`Run Name`", "attributes.`Description`"],
-            f"metrics.`{browse.METRICS[0]}`",
+        # the name, F1, peak, state and whether the model collapsed whole, the description begun, on the first
+        # screen
+        copies = [f"metrics.`{key}`" for key in browse.DISPLAY]
+        shown, description = (
+            ["attributes.`Run Name`", *copies, "tags.`collapsed`"],
+            "attributes.`Description`",
         )
-        where = edges(page, [*shown, metric])
+        where = edges(page, [*shown, description])
         assert all(where[k] is not None and where[k][1] <= where["table"] for k in shown), where
-        assert where[metric] is not None and where[metric][0] < where["table"] - 50, where
+        assert where[description] is not None and where[description][0] < where["table"] - 50, where
         page.screenshot(tmp_path / "sweep.png")
+        # each job's F1, peak and state read rounded (as its description reads them), not the exact floats
+        for run in children:
+            m, cells = run.data.metrics, shown_figures(page, run.info.run_id, shown[1:])
+            assert cells["tags.`collapsed`"] == run.data.tags["collapsed"]
+            assert {k: float(cells[f"metrics.`{k}`"]) for k in browse.DISPLAY} == browse.display_metrics(m)
+            assert re.fullmatch(r"[01](\.\d{1,3})?", cells[copies[0]]), cells
+            assert cells[copies[2]] != str(m["optimizer_state_mb"]), cells  # 7.72, not 7.716724395751953
+            for figure, c in (("peak", copies[1]), ("state", copies[2])):
+                assert f"{figure} {cells[c]} MB" in run.data.tags["mlflow.note.content"].replace(",", "")
+        # sortable as numbers: its header sorts the jobs by peak, largest first
+        page.js("document.querySelector('[data-testid=\"sort-header-Peak MB\"]').parentElement.click()")
+        page.wait_for("location.hash.includes('orderByKey=metrics.%60Peak+MB%60')")
+        peaks = {r.info.run_id: browse.display_metrics(r.data.metrics)["Peak MB"] for r in children}
+        assert len(set(peaks.values())) == len(peaks), peaks  # (adafactor's factored state: far less)
+        order = json.dumps(sorted(peaks, key=lambda run_id: -peaks[run_id]), separators=(",", ":"))
+        ids = (  # in the order shown (the grid keeps a row's element and moves it: its row-index)
+            "[...document.querySelectorAll('.ag-center-cols-container .ag-row')].sort((a, b) =>"
+            " a.getAttribute('row-index') - b.getAttribute('row-index')).map(r => r.getAttribute('row-id'))"
+        )
+        page.wait_for(f"JSON.stringify({ids}) === {json.dumps(order)}")
         # every sweep, a row each: its name, and its best figures in the key columns (not "-")
         page.open(every_run)
         # (the grid draws a row in parts: the pinned name and start, then the scrolling cells)
