@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from pipeline.browse import display_metrics
 from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
 from pipeline.tracking import DESCRIPTION, Tracker
 
@@ -151,6 +152,8 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             metrics, series, params = result["metrics"], result["series"], {**params, **result["params"]}
             tags = {**tags, **result["tags"], DESCRIPTION: run_description(metrics, result["tags"])}
+            # beside the exact figures, their rounded copies for the UI's runs table (F1, Peak MB, State MB)
+            metrics = {**metrics, **display_metrics(metrics)}
         else:
             summary = (job_dir / ERROR_FILE).read_text().strip().splitlines()[0]
             metrics, series = failure["metrics"], None

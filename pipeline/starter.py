@@ -288,15 +288,10 @@ def _child(job_dir: str, env: dict, module: str) -> None:
         else:
             torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))
             code = importlib.import_module(module).main(Path(job_dir))
-    except BaseException:  # before the job's own reporting began: its traceback, and the runner's files
+    except BaseException:  # before the job's own reporting began (its module's import): on the console
         import traceback
 
         traceback.print_exc()
-        with contextlib.suppress(Exception):
-            from pipeline.job import ERROR_FILE, FAILURE_FILE
-
-            (Path(job_dir) / ERROR_FILE).write_text(traceback.format_exc())
-            (Path(job_dir) / FAILURE_FILE).write_text(json.dumps({"reason": "exception", "metrics": {}}))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
