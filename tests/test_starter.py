@@ -127,6 +127,25 @@ sys.meta_path.insert(0, Initialising())
 """
 
 
+def site_env(tmp_path, site: str) -> dict:
+    """The environment of commands with `site` as their sitecustomize (their own job starter: TEST_TAG)."""
+    (tmp_path / "site").mkdir(exist_ok=True)
+    (tmp_path / "site" / "sitecustomize.py").write_text(site)
+    return {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "TEST_TAG": str(tmp_path)}
+
+
+def cold_sweep_under(tmp_path, site: str) -> list[str]:
+    """A 2-point tiny sweep with `site` as its sitecustomize: both points FINISHED, both started cold; the
+    launching process's `[job]` lines."""
+    env = site_env(tmp_path, site)
+    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sweep_runs(tmp_path)[1]
+    assert [r.data.tags["job_start"] for r in runs] == ["cold", "cold"]
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    return [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
+
+
 def test_the_driver_library_loaded_counts_as_cuda_initialised(tmp_path):
     """A CUDA runtime call that torch's flags do not record (cudaGetDeviceCount) loads the driver's library: the
     starter reads its memory map for it."""
@@ -151,15 +170,7 @@ BAD_FORKS = INITIALISING.replace(
 def test_a_job_forked_after_cudas_initialisation_starts_again_cold(tmp_path):
     """A warm child that finds itself a bad fork does not run: the command starts that job cold, with one line,
     and its next jobs cold too; every point finishes."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(BAD_FORKS)
-    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "TEST_TAG": str(tmp_path)}
-    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = sweep_runs(tmp_path)[1]
-    assert [r.data.tags["job_start"] for r in runs] == ["cold", "cold"]
-    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
+    lines = cold_sweep_under(tmp_path, BAD_FORKS)
     assert len(lines) == 2, lines
     assert lines[0].endswith("forked from a job starter with CUDA initialised: it does not run here"), lines
     assert lines[1].endswith(
@@ -171,20 +182,12 @@ def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_star
     """Where CUDA is initialised once the starter has imported what it preloads, the starter forks nothing: the
     command's jobs start cold and finish, with one line saying why; the next command reads the starter's log and
     starts its jobs cold at once, with the same reason."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(INITIALISING)
-    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "TEST_TAG": str(tmp_path)}
-    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = sweep_runs(tmp_path)[1]
-    assert [r.data.tags["job_start"] for r in runs] == ["cold", "cold"]
-    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    lines = cold_sweep_under(tmp_path, INITIALISING)
     reason = f"CUDA was initialised by the imports of {starter.PRELOAD} (a fork cannot use it)"
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
     assert len(lines) == 1 and lines[0].endswith(
         f"the job starter serves no job ({reason}): this command's jobs start cold"
     ), lines
-    again = run_cli(tmp_path, "-m", "seed=2", *TINY, env=env)
+    again = run_cli(tmp_path, "-m", "seed=2", *TINY, env=site_env(tmp_path, INITIALISING))
     assert again.returncode == 0, again.stderr[-3000:]
     lines = [line for line in again.stderr.splitlines() if line.startswith("[job]")]
     assert lines == [f"[job] no job starter ({reason}): jobs start cold"]
