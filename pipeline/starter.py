@@ -25,7 +25,8 @@ not initialise the driver. Should CUDA be initialised all the same once PRELOAD 
 no job: it writes why in its log (REFUSED) and ends, and the command's jobs start cold with that line; a later
 command of the same address reads the log and starts cold at once. Each child sets its whole environment
 (CUDA_VISIBLE_DEVICES from the sweep's GPU pool, its thread count, the console's level) before any torch work,
-and refuses to run when torch says it is in a bad fork (forked from a process with CUDA initialised).
+and does not run when torch says it is in a bad fork (forked from a process with CUDA initialised): it exits
+with BAD_FORK, and its command starts it again cold (Job.wait), with the command's next jobs.
 
 The starter keeps the environment it was started with (what the libraries read at import: tqdm's delay, the
 hub's offline switches): a job whose environment differs in more than PER_JOB (a swept `log_level`) starts cold.
