@@ -259,3 +259,16 @@ def slurm_cluster():
     else:
         os.environ["SLURM_CONF"] = saved
     shutil.rmtree(cluster.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's process-wide state reset before and after a test that builds an Accelerator of its own (an
+    earlier test in the same worker may have made one with other settings)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

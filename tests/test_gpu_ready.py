@@ -323,7 +323,7 @@ def test_the_docs_section_is_replaced_between_its_markers(tmp_path):
     assert not write_docs(other, "the summary") and other.read_text() == "no markers\n"
 
 
-def test_clearing_between_plan_accuracy_cases_frees_a_model_accelerate_prepared_for_bf16():
+def test_clearing_between_plan_accuracy_cases_frees_a_model_accelerate_prepared_for_bf16(fresh_accelerate_state):
     """Accelerate's mixed-precision forward wrapper (model.forward -> wrapper -> model) is a reference cycle:
     `del` leaves the model's tensors alive, and on CUDA in the next case's peak, until a garbage collection.
     (The automatic collector is off here so that only the clearing can free it.)"""
