@@ -30,7 +30,7 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-ci test-cluster test-matrix test-gpu ui server lint clean bench bench-full \
+.PHONY: install run report test test-slow test-ci coverage test-cluster test-matrix test-gpu ui server lint clean bench bench-full \
 	plan-accuracy plan-accuracy-ranks fit-table optimizer-table bench-server bench-server-slurm slurm-up postgres-up
 
 install: $(VENV)/.installed
@@ -65,6 +65,12 @@ test-slow: install
 # tests handed out first (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
 test-ci: install
 	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# line coverage of pipeline/ on CI's selection, commands and jobs included (pyproject.toml: [tool.coverage.run]);
+# about 1.3x test-ci's time -> the total line, docs/testing.md
+coverage: install
+	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--cov --cov-report=term:skip-covered --durations=0
 
 # the real SLURM cluster's and PostgreSQL server's longest tests alone (a requeue, a 2-rank job, 8 clients at once):
 # minutes each; CI runs them with the rest
