@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -81,6 +82,34 @@ def write_json(path: Path, value) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
+
+
+def cached_dataset(folder: Path, inputs: list, build, manifest: str = "manifest.json") -> tuple[dict, dict]:
+    """Datasets made once and memory-mapped from then on: `build()` returns ({name: datasets.Dataset or None},
+    a JSON value said of them), kept as datasets' Arrow files in `folder`/<key> beside that value (the file
+    `manifest`), the key made of `inputs`, the datasets version and the pipeline's code. The answer, read from
+    there whether just made or found: ({name: Dataset}, the value). A folder appears whole or not at all
+    (written aside, then renamed: a parallel job that kept the same datasets first wins) and its writing draws
+    no progress bar of its own on the console."""
+    import datasets
+
+    where = Path(folder) / key(*inputs, datasets.__version__)
+    if not (where / manifest).exists():
+        parts, said = build()
+        tmp = where.with_name(f".{where.name}.{os.getpid()}")
+        shown = not datasets.utils.are_progress_bars_disabled()
+        datasets.disable_progress_bars()
+        try:
+            datasets.DatasetDict({k: v for k, v in parts.items() if v is not None}).save_to_disk(str(tmp))
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
+        write_json(tmp / manifest, said)
+        try:
+            tmp.rename(where)
+        except OSError:  # another job kept the same datasets first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.load_from_disk(str(where)), read_json(where / manifest)
 
 
 class Store:

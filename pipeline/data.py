@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -226,38 +224,23 @@ MANIFEST = "splits.json"  # in a cached splits folder: the class names and the s
 
 def read_splits(cfg: DictConfig, outputs_dir) -> Splits:
     """`load_splits` with the splits' dataset inputs, read from local files once per sweep: the splits as read
-    are kept as datasets' Arrow files under <outputs_dir>/cache/splits/<key>, the key made of the data config,
-    the files' sizes and modification times, the datasets version and the pipeline's code (pipeline.cache).
-    Every job gets them from there, memory-mapped, so that `tokenize` keeps its result beside them too."""
-    import datasets
-
+    are kept as datasets' Arrow files under <outputs_dir>/cache/splits/<key> (pipeline.cache.cached_dataset),
+    the key made of the data config, the files' sizes and modification times, the datasets version and the
+    pipeline's code. Every job gets them from there, memory-mapped, so that `tokenize` keeps its result beside
+    them too."""
     stamp = source_stamp(cfg)
     if stamp is None:
         splits = load_splits(cfg)
         splits.inputs = dataset_inputs(splits, cfg)
         return splits
-    where = cache.folder(outputs_dir, "splits") / cache.key(
-        OmegaConf.to_container(cfg, resolve=True), stamp, datasets.__version__
-    )
-    if not (where / MANIFEST).exists():
+
+    def build():
         splits = load_splits(cfg)
         parts = {"train": splits.train, "eval": splits.eval, "val": splits.val}
-        tmp = where.with_name(f".{where.name}.{os.getpid()}")
-        shown = not datasets.utils.are_progress_bars_disabled()
-        datasets.disable_progress_bars()  # (a cache's bookkeeping: no bar of its own on the console)
-        try:
-            datasets.DatasetDict({k: v for k, v in parts.items() if v is not None}).save_to_disk(str(tmp))
-        finally:
-            if shown:
-                datasets.enable_progress_bars()
-        manifest = {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
-        cache.write_json(tmp / MANIFEST, manifest)
-        try:
-            tmp.rename(where)
-        except OSError:  # another job kept the same splits first
-            shutil.rmtree(tmp, ignore_errors=True)
-    manifest = cache.read_json(where / MANIFEST)
-    parts = datasets.load_from_disk(str(where))
+        return parts, {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
+
+    inputs = [OmegaConf.to_container(cfg, resolve=True), stamp]
+    parts, manifest = cache.cached_dataset(cache.folder(outputs_dir, "splits"), inputs, build, MANIFEST)
     return Splits(
         parts["train"], parts["eval"], manifest["label_names"], parts.get("val"), manifest["inputs"]
     )
@@ -284,13 +267,15 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
         enc["labels"] = batch["label"]
         return enc
 
+    # the fingerprint named here, from what the output depends on: `datasets` would otherwise hash the
+    # tokenizer through `encode` (about a second per job)
+    # (and the tokenizer's files, stamped once for every split: a cached result never outlives an edited or
+    # reinstalled tokenizer)
+    folder = tokenizer.name_or_path
+    stamp = json.dumps(cache.file_stamp(folder)) if Path(folder).is_dir() else ""
+
     def run(ds):
-        # the fingerprint named here, from what the output depends on: `datasets` would otherwise hash the
-        # tokenizer through `encode` (about a second per job)
-        # (and the tokenizer's files: a cached result never outlives an edited or reinstalled tokenizer)
-        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}"
-        if Path(tokenizer.name_or_path).is_dir():
-            what += json.dumps(cache.file_stamp(tokenizer.name_or_path))
+        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{stamp}"
         fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
         return ds.map(
             encode,

@@ -56,6 +56,31 @@ def test_splits_are_read_once_and_read_again_when_their_file_changes(tmp_path):
     assert len(entries(cached)) == 3
 
 
+def test_a_cached_dataset_is_built_once_and_read_back_as_built(tmp_path):
+    """cache.cached_dataset: one call, one answer; the build runs on a miss only, its None parts are left out,
+    and the progress bars are as they were before."""
+    import datasets
+
+    from pipeline import cache
+
+    built = []
+
+    def build():
+        built.append(1)
+        return {"train": datasets.Dataset.from_dict(ROWS), "val": None}, {"names": ["neg", "pos"]}
+
+    datasets.enable_progress_bars()
+    first = cache.cached_dataset(tmp_path / "kept", ["inputs", 1], build)
+    again = cache.cached_dataset(tmp_path / "kept", ["inputs", 1], build)
+    assert built == [1] and not datasets.utils.are_progress_bars_disabled()
+    assert first[1] == again[1] == {"names": ["neg", "pos"]}
+    assert list(first[0]) == list(again[0]) == ["train"]
+    assert again[0]["train"].to_dict() == ROWS
+    assert len(list((tmp_path / "kept").iterdir())) == 1  # no half-written folder left beside it
+    cache.cached_dataset(tmp_path / "kept", ["other inputs"], build)
+    assert built == [1, 1] and len(entries(tmp_path / "kept")) == 2
+
+
 def simulated(tmp_path, *overrides, batch=(16, 32)) -> dict:
     cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}", *overrides)
     model = models.load_model(cfg.model, num_labels=2)
