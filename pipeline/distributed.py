@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,6 +75,27 @@ def param_checksum(model) -> str:
     for p in model.parameters():
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+@dataclass
+class Ranks:
+    """What the ranks of a job measured, on every rank: how many they are, each one's record (rank 0's first)
+    and the per-rank and total figures rank 0 records (rank_metrics)."""
+
+    size: int
+    records: list[dict]
+    metrics: dict[str, float]
+
+
+def gather(cfg, model, record: dict, job_dir: Path) -> Ranks:
+    """Every rank's `record`, with its parameters' checksum where the ranks hold whole replicas to compare, on
+    every rank (a collective: all ranks call it), once the process group is known to hold
+    launcher.nproc_per_job ranks (check_world_size); each rank also writes its own record (gather_ranks)."""
+    size = check_world_size(cfg, "process group")
+    # (one process has nothing to compare with; FSDP's ranks hold different shards)
+    checksum = None if size == 1 or cfg.train.sharding == "fsdp" else param_checksum(model)
+    records = gather_ranks({**record, "param_checksum": checksum}, job_dir)
+    return Ranks(size, records, rank_metrics(records))
 
 
 def gather_ranks(record: dict, job_dir: Path) -> list[dict]:

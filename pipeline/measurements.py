@@ -171,7 +171,8 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
-    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions(), sources=PLAN_SOURCES)
+    versions = library_versions()
+    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=PLAN_SOURCES)
 
     def figures() -> dict:
         from pipeline import plan, plan_ranks
@@ -194,29 +195,31 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
     the registry's answer for the job (`pipeline.optimizers.choose`)."""
     spec = choice.spec
-    world_size = distributed.check_world_size(cfg, "process group")
     # the whole model's size, as the backend counted it before training (FSDP leaves the model sharded)
     num_params, flops = (out.num_params, out.flops) if out.num_params is not None else model_size(model)
-    state = optimizer_state_size(out.optimizer)
-    paged = paged_state_size(out.optimizer)
+    # what this rank measured, read once from what holds it: the optimizer's state and the peaks (memory), the
+    # steps' times (timing), the batches' tokens and the splits (data), the optimizer's settings and estimate
+    state, paged = optimizer_state_size(out.optimizer), paged_state_size(out.optimizer)
+    memory, breakdown = out.peak.metrics(), out.peak.breakdown_tag
+    warmup = warmup_steps(cfg)
+    window, step_ms, train_step_ms = timer.window(warmup), timer.median_ms, timer.train_step_ms(skip=warmup)
+    steps_skipped = timer.steps - len(timer.times_s)
+    tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
+    num_labels, labels_param = splits.num_labels, splits.labels_param
+    steady = collate.batches[window[0] - 1 : window[1]] if window else []
+    window_tokens, window_padded = sum(r for r, _ in steady), sum(p for _, p in steady)
     try:
         estimate, estimate_na = state_estimate(cfg, choice, model, out.optimizer), None
     except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
         estimate, estimate_na = None, f"n/a: {err}"
-    memory = out.peak.metrics()
-    warmup = warmup_steps(cfg)
-    window = timer.window(warmup)
-    tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
-    steady = collate.batches[window[0] - 1 : window[1]] if window else []
-    window_tokens, window_padded = sum(r for r, _ in steady), sum(p for _, p in steady)
-    ranks = distributed.gather_ranks(
+    settings = optimizers.built_settings(out.optimizer)
+    # every rank's, on every rank
+    ranks = distributed.gather(
+        cfg,
+        model,
         {
             "optimizer_state_bytes": state.bytes,
             "peak_memory_mb": memory["peak_memory_mb"],
-            # (compared across ranks: one process has nothing to compare with)
-            "param_checksum": None
-            if world_size == 1 or cfg.train.sharding == "fsdp"
-            else distributed.param_checksum(model),
             "tokens": tokens,
             "padded_tokens": padded_tokens,
             "window_tokens": window_tokens,
@@ -227,15 +230,15 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     )
     # (the loop's time less the validation passes inside it: eval.every_steps)
     runtime = out.train_runtime_s - timer.paused_s
-    speed, speed_tags = throughput(cfg, timer, runtime, ranks, flops, out.device)
+    speed, speed_tags = throughput(cfg, timer, runtime, ranks.records, flops, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
         # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
         paged_mb = paged.mb if on_cuda else 0.0
-        measured = [r["peak_memory_mb"] for r in ranks]
-        memory.update(prediction(cfg, spec, model, collate.input_names, paged_mb, ranks, measured))
+        measured = [r["peak_memory_mb"] for r in ranks.records]
+        memory.update(prediction(cfg, spec, model, collate.input_names, paged_mb, ranks.records, measured))
     method = memory.pop("prediction_method", None)  # a tag, not a metric
-    tokens = sum(r["tokens"] for r in ranks)
+    tokens = sum(r["tokens"] for r in ranks.records)
     metrics = {
         "model_num_params": num_params,
         "model_num_nonembedding_params": flops[0],
@@ -245,20 +248,20 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         "optimizer_state_bytes_per_param": state.bytes / num_params,
         **({} if estimate is None else {"estimated_optimizer_state_mb": estimate.mb}),
         **({"paged_state_mb": paged.mb} if spec.name.startswith("paged") else {}),
-        **({} if (ms := timer.median_ms) is None else {"optimizer_step_ms": ms}),
-        "optimizer_steps_skipped": timer.steps - len(timer.times_s),
-        **({} if (ms := timer.train_step_ms(skip=warmup)) is None else {"train_step_ms": ms}),
+        **({} if step_ms is None else {"optimizer_step_ms": step_ms}),
+        "optimizer_steps_skipped": steps_skipped,
+        **({} if train_step_ms is None else {"train_step_ms": train_step_ms}),
         **memory,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),  # (read last: the process's high-water mark, the plan's simulation in it)
         "train_loss_final": out.losses[-1],
         **speed,
         "train_tokens": tokens,
-        "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks),
+        "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks.records),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
         **{f"val_{k}": v for k, v in out.val_metrics.items()},
-        **distributed.rank_metrics(ranks),
+        **ranks.metrics,
     }
-    tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": out.peak.breakdown_tag}
+    tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": breakdown}
     shares = [m["top_class_share"] for m in (out.eval_metrics, out.val_metrics) if "top_class_share" in m]
     if shares:  # (nearly) every prediction in one class: binary F1 flatters such a model
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
@@ -283,13 +286,13 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         },
         "params": {
             "device": out.device,
-            "num_labels": splits.num_labels,
-            "label_names": splits.labels_param,  # id2label: eval_f1 is the F1 of class 1 (of two)
+            "num_labels": num_labels,
+            "label_names": labels_param,  # id2label: eval_f1 is the F1 of class 1 (of two)
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
             "val_samples": 0 if splits.val is None else len(splits.val),
             "optim_variant": choice.variant or "plain",
-            "optim_settings": optimizers.built_settings(out.optimizer),
+            "optim_settings": settings,
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
         },
         "tags": tags,
