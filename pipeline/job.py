@@ -28,9 +28,12 @@ def load(cfg: DictConfig):
 
     from pipeline import data, models
 
-    tokenizer = models.load_tokenizer(cfg.model)
+    # the data first: the model's classes are the splits' labels; then the tokenizer and the model, whose
+    # vocabulary the tokenized splits keep to
     splits = data.read_splits(cfg.data, cfg.outputs_dir)  # (their `inputs`: the splits as read, for MLflow)
-    model = models.load_model(cfg.model, splits.num_labels, splits.label_names)
+    labels = splits.label_names
+    tokenizer = models.load_tokenizer(cfg.model)
+    model = models.load_model(cfg.model, len(labels), labels)
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.train.precision == "bf16_pure":
         # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
