@@ -1,9 +1,13 @@
 """The real CLI: Hydra multirun -> one process per job -> MLflow, on the tiny model."""
 
+import json
+import subprocess
+import sys
+
 import pandas as pd
 import pytest
 
-from tests.conftest import TINY, run_cli, store, sweep_runs
+from tests.conftest import ROOT, TINY, cli_env, run_cli, store, sweep_runs
 
 METRICS = {
     "optimizer_state_numel",
@@ -133,3 +137,41 @@ def test_peak_memory_does_not_depend_on_job_order(tmp_path):
     forward, reverse = peaks.values()
     for optim in ("adamw", "adafactor"):
         assert reverse[optim] == pytest.approx(forward[optim], rel=0.05)
+
+
+# `python -m pipeline ARGS` with Hydra's compositions counted: every config Hydra composes goes through its
+# loader's load_configuration (a point's through load_sweep_config too); the counts are written to sys.argv[1]
+COUNTED_CLI = """
+import atexit, collections, json, runpy, sys
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+counts, out = collections.Counter(), sys.argv.pop(1)
+for name in ("load_configuration", "load_sweep_config"):
+    def counted(*args, _name=name, _original=getattr(ConfigLoaderImpl, name), **kwargs):
+        counts[_name] += 1
+        return _original(*args, **kwargs)
+    setattr(ConfigLoaderImpl, name, counted)
+atexit.register(lambda: open(out, "w").write(json.dumps(counts)))
+sys.argv[0] = "pipeline"
+runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_each_point_of_a_sweep_is_composed_once(tmp_path):
+    """A 2-point sweep composes each point's config once (the sweeper's check before the batch runs; the
+    launcher runs that config, hydra_plugins/compose_once_sweeper.py), and the launching config twice: Hydra
+    composes it once to read `hydra.mode` (hydra.main's run, which nothing of ours can spare) and once for the
+    sweep."""
+    counts = tmp_path / "counts.json"
+    args = ["-m", "optim=adamw,adafactor", *TINY, f"outputs_dir={tmp_path}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTED_CLI, str(counts), *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 jobs: 2 finished" in proc.stdout
+    assert json.loads(counts.read_text()) == {"load_sweep_config": 2, "load_configuration": 2 + 2}
