@@ -140,13 +140,14 @@ def starts_warm(cfg: DictConfig, ranks: dict) -> bool:
 
 
 def prestart(cfg: DictConfig) -> None:
-    """Start this process's warm starter now, if its jobs will start warm (pipeline.starter)."""
+    """Start this process's warm starter now, if its jobs will start warm and the command expects to run one
+    (pipeline.starter.ahead)."""
     from pipeline import starter
 
     ranks = scheduler_ranks(cfg)
     if starts_warm(cfg, ranks):
         with contextlib.suppress(ValueError):  # a bad log_level: the job's own start says it
-            starter.prestart(job_env(cfg, ranks))
+            starter.ahead(job_env(cfg, ranks))
 
 
 @contextlib.contextmanager

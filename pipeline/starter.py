@@ -4,13 +4,14 @@ a new interpreter. Either way each job is a process of its own, with its own exi
 Warm (`launcher.start_jobs=warm`, the default for the local and parallel launchers): a starter process
 (`python -m pipeline.starter`) imports PRELOAD once (torch, transformers, accelerate, datasets, the job's own
 modules: seconds), then forks a fresh child per job (milliseconds). It starts as the command does where the
-command line shows a warm start (prestart_from_command), else once the config is composed. The child has its
-own allocator, peak statistics and caches, as a new interpreter would, and the command's console (its stdin,
-stdout and stderr), folder and environment; a crash, `os._exit`, a signal or the out-of-memory killer ends that
-child alone, and the starter reports its exit status (negative: the signal) as the operating system does for a
-process of our own. Cold (`launcher.start_jobs=cold`): `python -m pipeline.job JOB_DIR` in a new interpreter. A
-job of several ranks (torchrun) and a job that a scheduler starts (submitit: SLURM or its local executor)
-always start cold.
+command line shows a warm start (prestart_from_command), else once the config is composed; a sweep whose points
+were all FINISHED when the same command last ended (its note: FINISHED_NOTE) starts it only with a job that
+runs, if one does (ahead). The child has its own allocator, peak statistics and caches, as a new interpreter
+would, and the command's console (its stdin, stdout and stderr), folder and environment; a crash, `os._exit`, a
+signal or the out-of-memory killer ends that child alone, and the starter reports its exit status (negative:
+the signal) as the operating system does for a process of our own. Cold (`launcher.start_jobs=cold`):
+`python -m pipeline.job JOB_DIR` in a new interpreter. A job of several ranks (torchrun) and a job that a
+scheduler starts (submitit: SLURM or its local executor) always start cold.
 
 A starter serves every command of the same user, interpreter, folder, environment, pipeline source, installed
 libraries and CPU set (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
@@ -78,10 +79,15 @@ BAD_FORK = (
     75  # a warm child's exit status when it finds itself forked after CUDA's initialisation (EX_TEMPFAIL)
 )
 STATUS = struct.Struct("q")  # a job's pid, then its exit status, as the starter sends them
+# beside the sockets, named by a digest of a sweep's command (finished_note): its points were all FINISHED when
+# it last ended, so the same command again is expected to run no job
+FINISHED_NOTE = ".finished"
 
 _started_with: dict | None = None  # the environment this process's starter runs with (less PER_JOB)
 _address: str | None = None  # where that starter listens
 _holds: list = []  # what keeps it running while this process runs: a connection, and the pipe to one it started
+_note: Path | None = None  # this command's FINISHED_NOTE (a sweep's launching process)
+_ahead = True  # whether the starter starts ahead of this command's first job (False: its note was found)
 
 
 def _shared(env: dict) -> dict:
@@ -131,12 +137,46 @@ def address(env: dict) -> str:
         [(p, os.stat(p).st_mtime_ns) for p in sys.path if p and p != os.getcwd() and os.path.isdir(p)],
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     ]
+    return str(_folder() / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24])
+
+
+def _folder() -> Path:
+    """The starters' folder (sockets, logs, notes): this user's alone."""
     folder = Path(tempfile.gettempdir()) / ADDRESS_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     info = folder.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(f"{folder} is not this user's alone")
-    return str(folder / hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24])
+    return folder
+
+
+def finished_note(args: list[str]) -> Path:
+    """Where a sweep's command notes that its points were all FINISHED as it ended: named by a digest of what
+    decides its points and where they are looked up (the interpreter, the folder, the arguments, the
+    environment less PER_JOB and MLflow's own, the pipeline's source, the conf files)."""
+    from pipeline import cache
+
+    stamp = [
+        sys.executable,
+        os.getcwd(),
+        args,
+        sorted(_shared(dict(os.environ)).items()),
+        cache.code_digest(),
+        cache.file_stamp(cache.PACKAGE.parent / "conf"),
+    ]
+    return _folder() / (hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24] + FINISHED_NOTE)
+
+
+def note_finished(finished: bool) -> None:
+    """At a sweep's end, in its launching process: note whether its points are all FINISHED (the same command
+    again then starts no starter ahead of its first job), or remove the note."""
+    if _note is None:
+        return
+    with contextlib.suppress(OSError):
+        if finished:
+            _note.touch()
+        else:
+            _note.unlink(missing_ok=True)
 
 
 def refusal(path: str) -> str | None:
@@ -244,11 +284,28 @@ def warm_from_command(args: list[str]) -> bool:
 
 def prestart_from_command(args: list[str]) -> None:
     """Start the starter from the command line, before the launching process imports Hydra and MLflow and
-    composes the config (half a second sooner), where warm_from_command says its jobs start warm."""
+    composes the config (half a second sooner), where warm_from_command says its jobs start warm; a sweep's
+    command whose points were all FINISHED when it last ended (its note) starts none ahead (see ahead)."""
+    global _note, _ahead
     from pipeline import quiet
 
+    if "-m" in args or "--multirun" in args:
+        try:
+            _note = finished_note(args)
+            _ahead = not _note.exists()
+        except OSError:  # no private folder: no note, the starter starts ahead as before
+            _note = None
     if warm_from_command(args):
-        prestart(base_env(quiet.DEFAULT))
+        ahead(base_env(quiet.DEFAULT))
+
+
+def ahead(env: dict) -> None:
+    """Start this process's starter for `env` ahead of its first job (it imports while this process composes
+    the config and opens the store), unless this command is a sweep whose points were all FINISHED when it
+    last ended: it then expects no job, and a job that does run starts the starter itself (Job), waiting for
+    its imports. The 5 s of CPU of imports no job uses are spared to a rerun of a finished sweep."""
+    if _ahead:
+        prestart(env)
 
 
 def die_with_parent() -> None:

@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import browse, journal, runner
+from pipeline import browse, journal, runner, starter
 from pipeline.job import short_mb
 from pipeline.runner import SKIPPED_FILE, Outcome
 from pipeline.tracking import SKIPPED_RUN, StoreError, Tracker
@@ -342,8 +342,10 @@ class SweepCallback(Callback):
         if not left:
             try:
                 metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
-                close(tracker, ids, sweep_dir, Path(config.outputs_dir), metric)
+                status = close(tracker, ids, sweep_dir, Path(config.outputs_dir), metric)
                 RESULT.failed.extend(lost)  # points with no run to count them
+                # the same command again finds every point FINISHED: it starts no job starter ahead of a job
+                starter.note_finished(status == "FINISHED" and not lost and not config.force)
                 return
             except Exception as error:  # the store went away at the very end
                 err = journal.first_line(error)

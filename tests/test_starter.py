@@ -367,6 +367,47 @@ def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line
     assert starter_processes(str(tmp_path))[0] is None
 
 
+def end_starter(server: int) -> None:
+    """The starter `server` ended (SIGTERM, its clean end), and gone."""
+    os.kill(server, signal.SIGTERM)
+    deadline = time.time() + 30
+    while running(server) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running(server)
+
+
+def test_a_rerun_whose_points_are_all_finished_starts_no_job_starter(tmp_path):
+    """A sweep whose points all ended FINISHED notes it (pipeline.starter.FINISHED_NOTE): the same command again
+    skips every point and starts no job starter (the suite's starters wait 2 minutes for the next command, so
+    one started would still be there). A point no longer FINISHED (its run deleted) runs all the same: its job
+    starts the starter, and starts warm."""
+    env = {"TEST_TAG": str(tmp_path)}
+    args = ["-m", "optim=adamw,adafactor", *TINY]
+    assert run_cli(tmp_path, *args, env=env).returncode == 0
+    server, _ = starter_processes(str(tmp_path))
+    assert server is not None  # kept for the next command
+    end_starter(server)
+    again = run_cli(tmp_path, *args, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "2 skipped (FINISHED before" in again.stdout
+    assert starter_processes(str(tmp_path))[0] is None
+    [done] = store(tmp_path).search_runs(["1"], "params.optim = 'adafactor'")
+    store(tmp_path).delete_run(done.info.run_id)
+    third = run_cli(tmp_path, *args, env=env)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "1 skipped (FINISHED before" in third.stdout
+    server, _ = starter_processes(str(tmp_path))
+    try:
+        assert server is not None
+        [rerun] = store(tmp_path).search_runs(
+            ["1"], "params.optim = 'adafactor' and attributes.status = 'FINISHED'"
+        )
+        assert rerun.data.tags["job_start"] == "warm"
+    finally:
+        if server is not None:
+            end_starter(server)
+
+
 # ---- a single run: its job starts before the store opens -----------------------------------------------------
 
 
