@@ -88,7 +88,9 @@ class Route:
                 f"{stay[0].module}: {', '.join(dict.fromkeys(c.function for c in stay))}"
                 for stay in self.stays
             ],
-            "climbs": [f"{c.caller} -> {c.module} ({c.function}): {c.climb}" for c in self.climbs],
+            "climbs": [
+                {"from": c.caller, "into": c.module, "call": c.function, "why": c.climb} for c in self.climbs
+            ],
             "library_calls": self.library_calls,
         }
 
@@ -221,8 +223,8 @@ def main() -> None:
               f"{s['climbs_back']} climbs back ({s['library_calls']} calls from libraries left out)")  # fmt: skip
         for i, stay in enumerate(s["route"], 1):
             print(f"  {i:3d} {stay}")
-        for climb in s["climbs"]:
-            print(f"  climb back: {climb}")
+        for c in s["climbs"]:
+            print(f"  climb back: {c['from']} -> {c['into']} ({c['call']}): {c['why']}")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,23 @@ def test_the_optimizer_catalog_and_the_config_checks_import_no_heavy_package():
     )
     found = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert found.stdout.strip() == ""
+
+
+def test_a_jobs_config_asks_each_module_once_where_it_can(tmp_path):
+    """The route of a tiny job's config (bench/route.py, a cold and a warm cache): the data asks the cache once
+    for its splits (a cold cache calls back only to build them), the measurements gather the ranks in one
+    call, the job loads the tokenizer and the model in one visit of models."""
+    from bench import route
+
+    found = route.measure(tmp_path)
+    for run, summary in found.items():
+        climbs = {(c["from"], c["into"], c["call"]) for c in summary["climbs"]}
+        pairs = {(a, b) for a, b, _ in climbs}
+        assert not {("data.py", "cache.py"), ("measurements.py", "distributed.py")} & pairs, (run, climbs)
+        assert ("job.py", "models.py") not in pairs, (run, climbs)
+        # the cache wraps what it keeps: the build is the one call back, and only on a miss
+        assert (("cache.py", "data.py", "build") in climbs) == (run == "cold"), (run, climbs)
+        stays = [stay.split(":")[0] for stay in summary["route"]]
+        # the job's check of its environment, then the measurements' one gathering of the ranks
+        assert stays.count("distributed.py") == 2, summary["route"]
+        assert stays.count("models.py") == 1, summary["route"]
