@@ -7,11 +7,13 @@
 (d) time from command to error for bad input
 (e) throughput of 4 tiny jobs, 2 at a time against one at a time
 (f) optimizer.step() time of every registered optimizer (bench/optim_steps.py)
-(g) wall time per job of an 8-job tiny sweep of one step each, jobs started warm and cold, against the import floor
+(g) wall time per job of an 8-job tiny sweep of one step each, jobs started warm and cold, against the import floor:
+    the whole command, its job starter's start included, with no job starter of the bench's alive before it
 (h) host-device synchronisations per training step of a job (both backends) and of the bare loop (bench/bare_loop.py)
 
 Every figure is a ratio of things measured in the same run, interleaved, so machine drift cancels; each is a
-median over repeats with min and max. Work files and logs go to outputs/bench/<time>/.
+median over repeats with min and max. Work files and logs go to outputs/bench/<time>/. `--only g` measures (g)
+alone (its import floors, its first run and its repeats) and prints it, leaving RESULTS.md as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,8 +40,13 @@ PARALLEL_OVERRIDES = "launcher=parallel launcher.n_jobs=2"
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+TAG = "BENCH_RUN"  # in every command's environment, this bench's process id: the job starters it started carry it
 # as the runner sets it for every job; each command's starter ends with it, but where a row keeps it
-ENV = {**{k: v for k, v in os.environ.items() if k != starter.KEEP_ENV}, "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k != starter.KEEP_ENV},
+    "TOKENIZERS_PARALLELISM": "false",
+    TAG: str(os.getpid()),
+}
 GOALS = {
     "step": 1.03,
     "overhead": 1.0,
@@ -185,9 +193,59 @@ def parallel_sweeps(s: Settings, work: Path) -> dict[str, float | None]:
     return walls
 
 
-def sweep_per_job(work: Path, start: str) -> float:
-    """(g) Wall time of an 8-job tiny sweep of one step each (the whole command: sweep start, parent run,
-    report), divided by its jobs; `start`: launcher.start_jobs."""
+def starters() -> list[tuple[int, bool]]:
+    """The job starters alive, found in /proc by their command line (`-m pipeline.starter`; their serving
+    processes, not the jobs they fork): (pid, whether this bench started it: TAG in its environment)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if b"-m\0pipeline.starter\0" in (entry / "cmdline").read_bytes():
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                found[int(entry.name)] = parent
+        except (ValueError, OSError):
+            continue
+    mine = f"{TAG}={ENV[TAG]}".encode()
+    alive = []
+    for pid, parent in found.items():
+        if parent in found:  # a job it forked
+            continue
+        try:
+            ours = mine in (Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:  # another user's
+            ours = False
+        alive.append((pid, ours))
+    return alive
+
+
+def end_own_starters() -> dict[str, int]:
+    """Before a (g) command: the job starters this bench left (the kept one of (b)) ended (SIGTERM: their clean
+    end), so that the command starts its own, as a user's sweep does, and none holds memory beside it.
+    {"ended": how many, "others": the starters alive not the bench's (other commands'), left alone}."""
+    alive = starters()
+    ended = [pid for pid, ours in alive if ours]
+    for pid in ended:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 30
+    while any(pid in ended for pid, _ in starters()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = starters()
+    if any(ours for _, ours in left):
+        sys.exit(
+            f"bench: a job starter of the bench's outlived SIGTERM: {[pid for pid, ours in left if ours]}"
+        )
+    return {"ended": len(ended), "others": len(left)}
+
+
+def sweep_per_job(work: Path, start: str, alive: dict | None = None) -> float:
+    """(g) Wall time of an 8-job tiny sweep of one step each (the whole command: sweep start, its job starter's
+    start, parent run, report), divided by its jobs; `start`: launcher.start_jobs. The bench's starters are
+    ended first (end_own_starters: what it found goes into `alive`, a list per start)."""
+    found = end_own_starters()
+    if alive is not None:
+        alive.setdefault(start, []).append(found)
     seeds = ",".join(map(str, range(SWEEP_JOBS)))
     overrides = [
         "model=tiny",
@@ -427,7 +485,8 @@ def write_results(
     for start in ("warm", "cold"):
         ratios = [job / f for job, f in zip(r["sweep8"][start], floors, strict=True)]
         lines.append(
-            f"| (g) {SWEEP_JOBS}-job tiny sweep, jobs started {start}: wall per job / import floor | "
+            f"| (g) {SWEEP_JOBS}-job tiny sweep, jobs started {start} (the whole command"
+            f"{', its starter started' if start == 'warm' else ''}): wall per job / import floor | "
             f"{cell(ratios)} | {verdict(statistics.median(ratios), GOALS['sweep_job'])} |"
         )
     for case, walls in r["bad"].items():
@@ -571,32 +630,7 @@ def write_results(
                 f"| {o['optim']} | {o['step_ms']:.1f} ({o['min_ms']:.1f} – {o['max_ms']:.1f}) | "
                 f"{o['first_step_ms']:.1f} | {rel} |"
             )
-    lines += [
-        "",
-        "## (g) A sweep of short jobs",
-        "",
-        f"`python -m pipeline -m model=tiny seed=0,...,{SWEEP_JOBS - 1} train.max_steps=1 force=true` with "
-        "`launcher.start_jobs=warm` (the default: each job's process forked from the sweep's starter) and "
-        "`=cold` (a new interpreter per job); the whole command's wall time (Hydra, the MLflow store, the "
-        f"parent run, the report) divided by its {SWEEP_JOBS} jobs, in seconds. The repeats run after the "
-        f"same sweep ran once (its first run: the tiny model's splits tokenized and its {SWEEP_JOBS} batch shapes' steps "
-        "simulated, each a new sequence length; every later run finds them in the caches, as a rerun, or "
-        "a later seed whose batches have a length simulated already, does).",
-        "",
-        "| jobs started | s per job | / import floor |",
-        "| --- | --- | --- |",
-        *(
-            f"| {start} | {cell(r['sweep8'][start], '{:.2f}')} | "
-            f"{cell([j / f for j, f in zip(r['sweep8'][start], floors, strict=True)])} |"
-            for start in ("warm", "cold")
-        ),
-    ]
-    first = r.get("sweep8_first")
-    if first:  # (a run measured before this row existed has none)
-        lines.append(
-            f"| warm, the sweep's first run (caches empty; measured once, before the repeats) | "
-            f"{first['per_job']:.2f} | {first['per_job'] / first['floor']:.3g} |"
-        )
+    lines += ["", "## (g) A sweep of short jobs", "", *sweep_lines(r)]
     if syncs:
         lines += [
             "",
@@ -624,7 +658,73 @@ def write_results(
     out.write_text("\n".join(lines) + "\n")
 
 
+def sweep_lines(r: dict) -> list[str]:
+    """(g)'s section of the page: what was run, the job starters alive, the table."""
+    floors, first, found = r["floors"], r.get("sweep8_first"), r.get("sweep8_starters")
+    lines = [
+        f"`python -m pipeline -m model=tiny seed=0,...,{SWEEP_JOBS - 1} train.max_steps=1 force=true` with "
+        "`launcher.start_jobs=warm` (the default: each job's process forked from the sweep's starter) and "
+        "`=cold` (a new interpreter per job); the whole command's wall time (Hydra, its job starter's start and "
+        f"imports, the MLflow store, the parent run, the report) divided by its {SWEEP_JOBS} jobs, in seconds: "
+        "what a user's sweep costs. The repeats run after the "
+        f"same sweep ran once (its first run: the tiny model's splits tokenized and its {SWEEP_JOBS} batch shapes' steps "
+        "simulated, each a new sequence length; every later run finds them in the caches, as a rerun, or "
+        "a later seed whose batches have a length simulated already, does).",
+    ]
+    if found:  # (a run measured before the bench ended its starters before each (g) command has none)
+        runs = [*([first["starters"]] if first else []), *found.get("warm", []), *found.get("cold", [])]
+        fewest, most = min(f["others"] for f in runs), max(f["others"] for f in runs)
+        lines += [
+            "",
+            f"Job starters alive as each of the {len(runs)} (g) commands began: {fewest}"
+            f"{f' to {most}' if most != fewest else ''}, none of them the bench's (before each command it ended "
+            f"those it had left, {sum(f['ended'] for f in runs)} in all: (b)'s kept starter, a (g) command's "
+            "own still ending); the others are other commands', left alone. "
+            "Each warm command started its own starter, as a user's sweep does.",
+        ]
+    lines += [
+        "",
+        "| jobs started | s per job | the command [s] | / import floor |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {start} | {cell(r['sweep8'][start], '{:.2f}')} | "
+            f"{cell([j * SWEEP_JOBS for j in r['sweep8'][start]], '{:.1f}')} | "
+            f"{cell([j / f for j, f in zip(r['sweep8'][start], floors, strict=True)])} |"
+            for start in ("warm", "cold")
+        ),
+    ]
+    if first:  # (a run measured before this row existed has none)
+        lines.append(
+            f"| warm, the sweep's first run (caches empty; measured once, before the repeats) | "
+            f"{first['per_job']:.2f} | {first['per_job'] * SWEEP_JOBS:.1f} | {first['per_job'] / first['floor']:.3g} |"
+        )
+    lines += ["", f"Import floor: {cell(floors, '{:.2f}')} s; goal for warm: ≤ {GOALS['sweep_job']} of it."]
+    return lines
+
+
 MEASUREMENTS = "measurements.json"  # in the work folder: everything the page is written from
+
+
+def sweep_first(work: Path, say) -> dict:
+    """(g)'s first run, measured apart: it tokenizes the tiny model's splits and simulates its 8 batch shapes;
+    every later one finds them in the caches, as any rerun or later seed of a shape does."""
+    say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
+    alive: dict = {}
+    first = {"floor": import_floor(work), "per_job": sweep_per_job(work, "warm", alive)}
+    return {**first, "starters": alive["warm"][0]}
+
+
+def sweep_repeat(r: dict, rep: int, work: Path, say) -> None:
+    """(g) in one repeat: the sweep with its jobs started warm and cold (in turn first), each command with none
+    of the bench's job starters alive."""
+    for start in ("warm", "cold")[:: 1 if rep % 2 == 0 else -1]:
+        r["sweep8"][start].append(sweep_per_job(work, start, r["sweep8_starters"]))
+    found = r["sweep8_starters"]["warm"][-1]
+    say(
+        f"  {SWEEP_JOBS}-job sweep, s per job: warm {r['sweep8']['warm'][-1]:.2f}, cold "
+        f"{r['sweep8']['cold'][-1]:.2f} (job starters alive before the warm one: {found['others']}; the bench's "
+        f"ended first: {found['ended']})"
+    )
 
 
 def main() -> None:
@@ -636,6 +736,12 @@ def main() -> None:
         type=Path,
         metavar="WORK",
         help="write --out again from a run's work folder, measuring nothing",
+    )
+    parser.add_argument(
+        "--only",
+        choices=["g"],
+        help="measure this row alone (its import floors, first run and repeats) and print it; RESULTS.md is "
+        "left as it is",
     )
     args = parser.parse_args()
     if args.render:
@@ -653,24 +759,33 @@ def main() -> None:
         print(f"[bench {(datetime.now() - started).total_seconds():4.0f} s] {text}", flush=True)
 
     say(f"work files in {work}")
+    if args.only == "g":
+        r = {"floors": [], "floor_readings": FLOOR_READINGS, "sweep8": {"warm": [], "cold": []}}
+        r["sweep8_first"], r["sweep8_starters"] = sweep_first(work, say), {}
+        for rep in range(s.repeats):
+            say(f"repeat {rep + 1}/{s.repeats}: import floor, the {SWEEP_JOBS}-job sweeps")
+            r["floors"].append(import_floor(work))
+            sweep_repeat(r, rep, work, say)
+        (work / MEASUREMENTS).write_text(
+            json.dumps({"r": r, "settings": asdict(s), "only": "g"}, default=str)
+        )
+        print("\n".join(sweep_lines(r)))
+        return
     # not measured: creates the MLflow store and the CPU peak-FLOP/s cache, warms the file cache
     pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
-    # not measured: starts the starter that the kept rows of (b) find running (it ends KEEP_S after the last)
-    pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_001, work, kept=True)
-    # (g) the first run of the 8-job sweep: it tokenizes the tiny model's splits and simulates its 8 batch
-    # shapes; every later one finds them in the caches, as any rerun or later seed of a shape does
-    say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
-    r_first = {"floor": import_floor(work), "per_job": sweep_per_job(work, "warm")}
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
     r["floor_readings"] = FLOOR_READINGS
     r["sweep8"] = {"warm": [], "cold": []}
-    r["sweep8_first"] = r_first
+    r["sweep8_first"], r["sweep8_starters"] = sweep_first(work, say), {}
     r["in_sweep"] = {"trainer": [], "accelerator": []}
     r["kept"] = {"trainer": [], "accelerator": []}
     r["kept_train"] = {"trainer": [], "accelerator": []}
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
         r["floors"].append(import_floor(work))
+        # not measured: starts the starter that the kept rows of (b) find running (it ends KEEP_S after the last,
+        # or as (g) begins: each (g) command starts with none of the bench's alive)
+        pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_001 + rep, work, kept=True)
         for backend in ("trainer", "accelerator")[:: 1 if rep % 2 == 0 else -1]:
             r["jobs"][backend].append(pipeline_job(s, backend, rep, work))
             kept = pipeline_job(s, backend, 100 + rep, work, kept=True)
@@ -682,11 +797,7 @@ def main() -> None:
         config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
         r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
-        for start in ("warm", "cold")[:: 1 if rep % 2 == 0 else -1]:
-            r["sweep8"][start].append(sweep_per_job(work, start))
-        say(
-            f"  {SWEEP_JOBS}-job sweep, s per job: warm {r['sweep8']['warm'][-1]:.2f}, cold {r['sweep8']['cold'][-1]:.2f}"
-        )
+        sweep_repeat(r, rep, work, say)
         say(
             f"  step ms: trainer {r['jobs']['trainer'][-1]['train_step_ms']:.1f}, accelerator "
             f"{r['jobs']['accelerator'][-1]['train_step_ms']:.1f}, bare {r['bare'][-1]['train_step_ms']:.1f}"
