@@ -13,8 +13,9 @@ What is counted (`trace` records, `Route` counts):
 - A call: a Python function of the pipeline (its code file under pipeline/) called by `job.run` or by a call
   that is itself one (our code calling our code, all the way down from `job.run`). A call that a library makes
   into our code (a Trainer callback, a torch hook, the collator, the function `datasets.map` runs) and what it
-  calls is the library's loop, not the config's route: it is left out and counted apart (`library_calls`).
-  Module bodies run by an import are left out likewise (the import machinery calls them). A comprehension's,
+  calls is the library's loop, not the config's route: it is left out (`library_calls` counts the calls a
+  library made straight into our code, import-time ones included). Module bodies run by an import are left out
+  likewise (the import machinery calls them). A comprehension's,
   generator expression's or generator's frame is an expression of the code that runs it: its resumptions are
   iteration, not calls, and what it calls counts as called by the frame that runs it.
 - The module of a call: its file, relative to pipeline/ (`data.py`, `optimizers/spec.py`).
