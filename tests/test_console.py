@@ -45,7 +45,6 @@ def test_a_plan_sweep_prints_no_library_noise_and_each_warning_once(tmp_path):
         "plan=true",
         "model=distilbert-base-cased",
         "optim=adamw,galore_adamw,adamw_8bit",
-        "batch_size=8,16",
     ]
     proc = run_cli(tmp_path, *args, "device_memory=t4")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -207,6 +207,7 @@ def docs_page(tmp_path):
     return page
 
 
+@pytest.mark.slow  # minutes: every step of make test-gpu's script on CPU
 def test_the_gpu_check_runs_its_steps_and_checks_on_cpu(tmp_path):
     """`make test-gpu`'s script on a machine without a GPU (--allow-cpu), every step on the tiny model but the
     2-rank one (skipped, with its reason): each check passes on CPU figures, and the docs page, which only a
@@ -323,7 +324,9 @@ def test_the_docs_section_is_replaced_between_its_markers(tmp_path):
     assert not write_docs(other, "the summary") and other.read_text() == "no markers\n"
 
 
-def test_clearing_between_plan_accuracy_cases_frees_a_model_accelerate_prepared_for_bf16(fresh_accelerate_state):
+def test_clearing_between_plan_accuracy_cases_frees_a_model_accelerate_prepared_for_bf16(
+    fresh_accelerate_state,
+):
     """Accelerate's mixed-precision forward wrapper (model.forward -> wrapper -> model) is a reference cycle:
     `del` leaves the model's tensors alive, and on CUDA in the next case's peak, until a garbage collection.
     (The automatic collector is off here so that only the clearing can free it.)"""

@@ -4,6 +4,8 @@ loop), and the MLflow adapter imports nothing of ours."""
 import ast
 from graphlib import CycleError, TopologicalSorter
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -67,6 +69,7 @@ def test_the_optimizer_catalog_and_the_config_checks_import_no_heavy_package():
     assert found.stdout.strip() == ""
 
 
+@pytest.mark.slow  # two traced tiny jobs, each in a process of its own: about a minute
 def test_a_jobs_config_asks_each_module_once_where_it_can(tmp_path):
     """The route of a tiny job's config (bench/route.py, a cold and a warm cache): the data asks the cache once
     for its splits (a cold cache calls back only to build them), the measurements gather the ranks in one

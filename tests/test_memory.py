@@ -159,25 +159,25 @@ def test_distilbert_adamw_state_matches_the_quick_estimate():
 BREAKDOWN = ["peak_params_mb", "peak_grads_mb", "peak_optimizer_mb", "peak_activations_mb", "peak_other_mb"]
 
 
-@pytest.fixture(scope="module")
-def profiled_jobs(tmp_path_factory):
-    """tiny on both backends, and minilm (the default model), for AdamW and Adafactor; fixed-length batches
-    so that every step has the same shapes and the profiled step holds the peak."""
-    tmp = tmp_path_factory.mktemp("profiled")
+PROFILED = {
+    "tiny": ["model=tiny", "backend=trainer,accelerator", "train.max_steps=4"],
+    "minilm": ["backend=accelerator", "train.max_steps=3"],  # the default model
+}
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("minilm", marks=pytest.mark.slow)])
+def profiled_jobs(request, tmp_path_factory):
+    """tiny on both backends, and minilm (the default model, slow: a minute), for AdamW and Adafactor;
+    fixed-length batches so that every step has the same shapes and the profiled step holds the peak."""
+    tmp = tmp_path_factory.mktemp(f"profiled_{request.param}")
     fixed = ["train.padding=max_length", "data.max_train_samples=64", "data.max_eval_samples=16"]
-    tiny = run_cli(
-        tmp / "tiny", "-m", "optim=adamw,adafactor", "backend=trainer,accelerator", "model=tiny",
-        "train.max_steps=4", *fixed,
-    )  # fmt: skip
-    minilm = run_cli(
-        tmp / "minilm", "-m", "optim=adamw,adafactor", "backend=accelerator", "train.max_steps=3", *fixed
-    )
-    assert tiny.returncode == 0 and minilm.returncode == 0, (tiny.stderr + minilm.stderr)[-3000:]
-    return [run for folder in ("tiny", "minilm") for run in sweep_runs(tmp / folder)[1]]
+    proc = run_cli(tmp, "-m", "optim=adamw,adafactor", *PROFILED[request.param], *fixed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_runs(tmp)[1]
 
 
 def test_breakdown_adds_up_to_the_measured_peak(profiled_jobs):
-    assert len(profiled_jobs) == 6
+    assert len(profiled_jobs) == {"tiny": 4, "minilm": 2}[profiled_jobs[0].data.params["model"]]
     for run in profiled_jobs:
         m = run.data.metrics
         assert run.data.tags["peak_breakdown"] == "step 2"

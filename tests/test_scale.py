@@ -282,6 +282,7 @@ def checksums(run) -> set[str]:
     return {json.loads(open(f"{job_dir}/rank{r}.json").read())["param_checksum"] for r in (0, 1)}
 
 
+@pytest.mark.slow  # the 2-rank jobs: a minute of 4 processes
 def test_a_two_process_job_trains_in_sync_and_logs_once(two_rank_jobs):
     client = store(two_rank_jobs)
     _, children = sweep_runs(two_rank_jobs)
@@ -299,6 +300,7 @@ def test_a_two_process_job_trains_in_sync_and_logs_once(two_rank_jobs):
         assert m["train_samples_per_second"] * m["train_runtime_s"] == pytest.approx(3 * 16 * 2)
 
 
+@pytest.mark.slow  # the 2-rank jobs: a minute of 4 processes
 def test_zero1_halves_the_state_each_rank_holds(two_rank_jobs):
     runs = {r.data.params["sharding"]: r for r in sweep_runs(two_rank_jobs)[1]}
     ddp, zero = runs["none"].data.metrics, runs["zero1"].data.metrics
@@ -316,6 +318,7 @@ def test_zero1_halves_the_state_each_rank_holds(two_rank_jobs):
     assert losses["zero1"] == pytest.approx(losses["none"], rel=1e-5)
 
 
+@pytest.mark.slow  # the 2-rank jobs: a minute of 4 processes
 def test_each_ranks_peak_is_predicted_within_5_percent(two_rank_jobs):
     """The plan for several ranks (pipeline.plan_ranks: DDP's buckets, ZeRO-1's owned state) against the peak
     each rank measured, at the largest batch that rank saw."""

@@ -167,6 +167,7 @@ BAD_FORKS = INITIALISING.replace(
 ).replace("import importlib.abc", "import os, importlib.abc")
 
 
+@pytest.mark.slow  # a sweep whose every fork is a bad fork: each job restarted cold
 def test_a_job_forked_after_cudas_initialisation_starts_again_cold(tmp_path):
     """A warm child that finds itself a bad fork does not run: the command starts that job cold, with one line,
     and its next jobs cold too; every point finishes."""
@@ -178,6 +179,7 @@ def test_a_job_forked_after_cudas_initialisation_starts_again_cold(tmp_path):
     )
 
 
+@pytest.mark.slow  # two commands started cold with a starter of their own
 def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_start_cold(tmp_path):
     """Where CUDA is initialised once the starter has imported what it preloads, the starter forks nothing: the
     command's jobs start cold and finish, with one line saying why; the next command reads the starter's log and
