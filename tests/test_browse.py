@@ -253,6 +253,7 @@ def shown_figures(page, run_id: str, columns: list[str]) -> dict:
     )
 
 
+@pytest.mark.slow  # mlflow ui and headless Chromium: CI (make test-ci)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, tmp_path):
     _, proc, parent, children = sweep

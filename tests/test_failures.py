@@ -225,6 +225,7 @@ def test_a_job_ends_with_the_process_that_started_it(tmp_path, start):
             os.kill(job, signal.SIGKILL)
 
 
+@pytest.mark.slow  # a sweep sent SIGTERM mid-job (make test sends SIGINT): CI (make test-ci)
 def test_terminate_is_an_interrupt_too(tmp_path):
     sweep = start_sweep(tmp_path, "seed=0", *TINY)
     job_process(sweep)

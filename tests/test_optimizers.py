@@ -394,6 +394,7 @@ def test_adalomo_without_cuda_is_one_line():
     )
 
 
+@pytest.mark.slow  # sweeps of the in-backward optimizers on both backends: CI (make test-ci)
 def test_in_backward_optimizers_on_both_backends(tmp_path):
     """LOMO and layer-wise GaLore through the CLI on both backends (the Trainer by its own optim= string):
     the same state on both, equal to the estimate; the breakdown describes step 2 and LOMO's gradient part
@@ -468,6 +469,7 @@ def test_a_custom_optimizer_under_its_own_name(monkeypatch):
         validate(compose_cfg("model=tiny", "optim=sign_sgd", SEARCHPATH, "optim.target=null"))
 
 
+@pytest.mark.slow  # two sweeps: CI (make test-ci)
 def test_a_custom_optimizer_beside_adamw_leaves_adamw_the_same_point(tmp_path):
     """The worked example's sweep (docs/optimizers.md#worked-example): adamw and the user's sign_sgd in one
     sweep; adamw's config hash is the one an adamw-only run records (so a rerun skips it), and sign_sgd's runs

@@ -108,6 +108,7 @@ def direct(monkeypatch, config, spec, cfg, batch: int, cuda: bool = False) -> di
     return plan.simulate(config, spec, cfg, batch, 64, cuda=cuda)
 
 
+@pytest.mark.slow  # a dozen simulated steps: CI (make test-ci)
 def test_the_largest_batch_is_the_last_that_fits(monkeypatch):
     """Checked against the step simulated at that batch size and the next: n fits the budget, n + 1 does not."""
     cfg = compose_cfg("model=tiny", "optim=adamw")
@@ -191,6 +192,7 @@ def test_a_cuda_targets_attention_saves_what_torchs_fused_kernel_saves(dtype, ma
     assert max(storage.nbytes() for storage in saved.values()) < b * h * length * length * q.element_size()
 
 
+@pytest.mark.slow  # BERT-base simulated at 512 tokens: CI (make test-ci)
 def test_a_bert_base_plan_for_a_cuda_target_keeps_no_attention_probabilities():
     """BERT-base (attention dropout 0.1), 16 x 512 tokens. Planned for CPU, SDPA takes the math path, which
     keeps per layer the probabilities, dropout's mask and the dropped probabilities (3 x B x H x S^2 fp32);
@@ -234,6 +236,7 @@ def test_named_gpus_memory_is_the_data_sheets_in_its_units():
         assert (plan.usable_mb(name) + plan.CUDA_CONTEXT_MB) * MB == plan.DEVICE_MEMORY_GB[name] * 10**9
 
 
+@pytest.mark.slow  # deep models simulated whole: CI (make test-ci)
 @pytest.mark.parametrize(
     ("model", "optim", "precision", "checkpointing", "cuda"),
     [

@@ -184,6 +184,7 @@ def server_sweep(uri: str, tmp):
     return client, ids, children
 
 
+@pytest.mark.slow  # an mlflow server and a parallel sweep: CI (make test-ci)
 def test_four_jobs_two_at_a_time_on_a_server_are_all_recorded(mlflow_server, parallel_on_server):
     tmp, proc, _ = parallel_on_server
     assert not (tmp / "mlflow.db").exists()  # everything went to the server
@@ -225,6 +226,7 @@ def test_parallel_jobs_give_the_numbers_of_a_sequential_sweep(mlflow_server, par
         assert par[name][1]["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow  # a parallel sweep: CI (make test-ci)
 def test_a_failing_job_in_a_worker_fails_alone(tmp_path):
     proc = run_cli(
         tmp_path, "-m", "data=rotten_tomatoes,csv", *TINY, "train.max_steps=1", "launcher=parallel"
@@ -240,6 +242,7 @@ def test_a_failing_job_in_a_worker_fails_alone(tmp_path):
     )
 
 
+@pytest.mark.slow  # a parallel sweep interrupted: CI (make test-ci)
 def test_interrupting_a_parallel_sweep_marks_everything_killed(tmp_path):
     sweep = start_sweep(tmp_path, "seed=0,1", *TINY, "train.max_steps=200", "launcher=parallel")
     deadline, jobs = time.time() + 120, []

@@ -89,6 +89,7 @@ def cuda_calls(triton: str, *modules: str) -> tuple[list, bool]:
     return called, imported
 
 
+@pytest.mark.slow  # a simulated CUDA build probed in fresh interpreters (and triton installed once): CI (make test-ci)
 def test_the_starter_never_initialises_cuda_on_a_cuda_build(triton_folder):
     """What the starter imports reaches none of torch's CUDA entry points on a CUDA build: a process forked from it
     can use CUDA. The probe catches what does: transformers' model code with torchao visible (its MX kernels read
@@ -256,6 +257,7 @@ def warm_against_cold(tmp_path, *args):
     return warm
 
 
+@pytest.mark.slow  # the same sweep cold, then warm: CI (make test-ci)
 def test_warm_jobs_record_what_cold_ones_do(tmp_path):
     warm_against_cold(tmp_path, "backend=trainer,accelerator", *TINY)
 
@@ -266,6 +268,7 @@ def test_warm_jobs_record_what_cold_ones_do_on_minilm(tmp_path):
     warm_against_cold(tmp_path, "model=minilm", "batch_size=8", "train.max_steps=3", *small)
 
 
+@pytest.mark.slow  # two sweeps, one cold: CI (make test-ci)
 def test_a_job_whose_environment_differs_from_the_starters_starts_cold(tmp_path):
     """The starter keeps the environment it started with (tqdm's delay, read at import, follows log_level): a
     point of another log_level starts cold, and both finish."""
@@ -354,6 +357,7 @@ def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_k
         os.kill(server, signal.SIGTERM)
 
 
+@pytest.mark.slow  # a starter of its own, waited out: CI (make test-ci)
 def test_by_default_the_starter_ends_with_its_command_and_a_bad_keep_is_one_line(tmp_path):
     env = {**cli_env(), starter.KEEP_ENV: "soon", "TEST_TAG": str(tmp_path)}
     proc = run_cli(tmp_path, "-m", "seed=0", *TINY, env=env)
@@ -378,6 +382,7 @@ def end_starter(server: int) -> None:
     assert not running(server)
 
 
+@pytest.mark.slow  # three sweeps: CI (make test-ci)
 def test_a_rerun_whose_points_are_all_finished_starts_no_job_starter(tmp_path):
     """A sweep whose points all ended FINISHED notes it (pipeline.starter.FINISHED_NOTE): the same command again
     skips every point and starts no job starter (the suite's starters wait 2 minutes for the next command, so
@@ -413,6 +418,7 @@ def test_a_rerun_whose_points_are_all_finished_starts_no_job_starter(tmp_path):
 # ---- a single run: its job starts before the store opens -----------------------------------------------------
 
 
+@pytest.mark.slow  # two single runs, the store held: CI (make test-ci)
 def test_a_single_runs_job_trains_while_the_store_opens_and_a_rerun_of_its_point_ends_it_unrecorded(tmp_path):
     """Without -m the job is forked before the launching process opens the MLflow store: it trains to its end
     while the store stays closed (its creation lock, held here), and its run, opened once the store answers, is

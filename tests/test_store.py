@@ -195,7 +195,7 @@ def test_make_server_refuses_to_start_without_its_secrets(tmp_path):
     assert not (tmp_path / "auth.db").exists()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def team_server(request, tmp_path_factory):
     """`make server` on a free port: basic-auth, allowed hosts from this host's name and addresses; its runs
     and accounts in sqlite files, or in two databases of a real PostgreSQL server."""
@@ -449,6 +449,7 @@ def test_a_server_away_longer_than_the_retries_loses_no_result(tmp_path):
 # ---- a result whose runner ended before it recorded it ---------------------------------------------------
 
 
+@pytest.mark.slow  # a sweep, then pipeline.record: CI (make test-ci)
 def test_a_result_on_disk_whose_run_its_sweep_marked_failed_is_recorded_by_pipeline_record(tmp_path):
     """A job wrote its result.json, then its runner ended before it wrote the outcome down (a scheduler killed
     it with the job's allocation) and the launching process, failing, marked the run FAILED with no metrics:
