@@ -195,7 +195,10 @@ def test_make_server_refuses_to_start_without_its_secrets(tmp_path):
     assert not (tmp_path / "auth.db").exists()
 
 
-@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+# `make server` started for real (its workers take tens of seconds): CI (make test-ci)
+@pytest.fixture(
+    scope="module", params=[pytest.param(store, marks=pytest.mark.slow) for store in ("sqlite", "postgres")]
+)
 def team_server(request, tmp_path_factory):
     """`make server` on a free port: basic-auth, allowed hosts from this host's name and addresses; its runs
     and accounts in sqlite files, or in two databases of a real PostgreSQL server."""
