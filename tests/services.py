@@ -450,7 +450,9 @@ def main(argv: list[str]) -> int:
         pass
     finally:
         stop()
-        shutil.rmtree(folder, ignore_errors=True)  # its data, logs and sockets: nothing left in the temp folder
+        shutil.rmtree(
+            folder, ignore_errors=True
+        )  # its data, logs and sockets: nothing left in the temp folder
         print(f"{kind} stopped, {folder} removed", flush=True)
     return 0
 

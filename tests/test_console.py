@@ -5,6 +5,8 @@ classification head becomes one line per job."""
 import logging
 import re
 
+import pytest
+
 from pipeline import quiet
 from tests.conftest import run_cli
 
@@ -21,6 +23,7 @@ def stray(console: str) -> list[str]:
     return [line for line in console.splitlines() if line.strip() and not OURS.match(line)]
 
 
+@pytest.mark.slow  # a MiniLM sweep: CI (make test-ci)
 def test_a_minilm_sweep_prints_one_head_line_per_job_and_no_library_noise(tmp_path):
     args = ["-m", "optim=adamw,adafactor", "train.max_steps=2", "data.max_train_samples=32"]
     args += ["data.max_eval_samples=16", "data.max_val_samples=16"]
@@ -36,6 +39,7 @@ def test_a_minilm_sweep_prints_one_head_line_per_job_and_no_library_noise(tmp_pa
     assert stray(console) == [], console
 
 
+@pytest.mark.slow  # DistilBERT planned three times: CI (make test-ci)
 def test_a_plan_sweep_prints_no_library_noise_and_each_warning_once(tmp_path):
     """A plan sweep of a pretrained model whose tokenizer is not cached (a plan asks no network for it), with
     GaLore and an 8-bit optimizer: the tokenizer's fallback said once for the sweep (not once per point), and

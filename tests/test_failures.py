@@ -174,6 +174,7 @@ def job_process(sweep: subprocess.Popen, timeout: float = 120) -> int:
     raise TimeoutError("no job process appeared")
 
 
+@pytest.mark.slow  # a sweep whose job is killed: CI (make test-ci)
 def test_a_killed_worker_is_a_failed_run_and_the_sweep_goes_on(tmp_path):
     sweep = start_sweep(tmp_path, "seed=0,1", *TINY)
     os.kill(job_process(sweep), signal.SIGKILL)
@@ -207,7 +208,7 @@ def test_interrupt_marks_runs_killed_and_the_store_stays_usable(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
 
 
-@pytest.mark.parametrize("start", ["warm", "cold"])
+@pytest.mark.parametrize("start", ["warm", pytest.param("cold", marks=pytest.mark.slow)])  # cold: CI
 def test_a_job_ends_with_the_process_that_started_it(tmp_path, start):
     """The sweep's process killed outright (SIGKILL: no handler runs; the out-of-memory killer, a scheduler's
     cancel): its job process does not train on, whether forked from the starter or a new interpreter."""

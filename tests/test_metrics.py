@@ -125,7 +125,9 @@ def test_a_gpu_not_in_the_table_has_no_peak(name):
 # --- the model's size: counted on the whole model, before any wrapper shards it -------------------------------
 
 
-def test_model_size_is_the_whole_models_though_training_left_each_rank_a_shard(tmp_path, fresh_accelerate_state):
+def test_model_size_is_the_whole_models_though_training_left_each_rank_a_shard(
+    tmp_path, fresh_accelerate_state
+):
     """FSDP (use_orig_params=True) leaves each rank's parameters holding its shard after `prepare()`: the job's
     parameter count and FLOPs per token are those the backend counted before training."""
     import torch

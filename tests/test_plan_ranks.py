@@ -204,6 +204,7 @@ def test_a_plan_sweep_over_ranks_prints_the_table_and_the_verdict(tmp_path):
     assert line.startswith("verdict: tiny on 20 MB, batch 16/rank: adamw ")
 
 
+@pytest.mark.slow  # plans through the CLI: CI (make test-ci)
 def test_a_plan_over_several_ranks_only_gives_a_verdict_with_the_levers(tmp_path):
     """Ranks 2 and 4 without 1 among them, DDP (no sharding: every rank holds it all), a budget nothing fits:
     one verdict line per number of ranks, each naming by how much each optimizer falls short and the levers

@@ -281,6 +281,7 @@ CHROMIUM = shutil.which("chromium")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
+@pytest.mark.slow  # headless Chromium: CI (make test-ci)
 def test_report_html_renders_in_headless_chromium(out, tmp_path):
     shot = tmp_path / "report.png"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]

@@ -85,6 +85,7 @@ def tuning_sweep(tmp_path_factory):
     return tmp, proc
 
 
+@pytest.mark.slow  # the 8-point tuning sweep: CI (make test-ci)
 def test_the_task_function_returns_the_validation_metric(tuning_sweep):
     tmp, proc = tuning_sweep
     returned = sorted(float(v) for v in re.findall(r"returns val_macro_f1=([\d.]+)", proc.stdout))
@@ -93,6 +94,7 @@ def test_the_task_function_returns_the_validation_metric(tuning_sweep):
     assert returned == pytest.approx(sorted(r.data.metrics["val_macro_f1"] for r in runs), abs=1e-6)
 
 
+@pytest.mark.slow  # the 8-point tuning sweep: CI (make test-ci)
 def test_validation_series_rates_and_collapse_are_recorded(tuning_sweep):
     tmp, _ = tuning_sweep
     client = store(tmp)
@@ -108,6 +110,7 @@ def test_validation_series_rates_and_collapse_are_recorded(tuning_sweep):
         assert run.data.tags["collapsed"] == str(collapsed).lower()
 
 
+@pytest.mark.slow  # the 8-point tuning sweep: CI (make test-ci)
 def test_the_report_picks_each_optimizers_best_validation_rate_and_reports_its_test_runs(tuning_sweep):
     """The tuned table against the sweep's MLflow runs, computed here independently: per optimizer, the rate
     with the best mean val_macro_f1 over seeds among rates without a collapsed run (none where all collapsed), and
@@ -146,6 +149,7 @@ def test_the_report_picks_each_optimizers_best_validation_rate_and_reports_its_t
     assert (out / "val_curves.png").exists() == bool(tuned["learned"].any())
 
 
+@pytest.mark.slow  # the 8-point tuning sweep: CI (make test-ci)
 def test_collapsed_runs_are_marked_in_the_console_and_never_chosen(tuning_sweep):
     """The sweep's own console: a comparison row whose runs collapsed reads `sgd (collapsed ...)`, and where
     every rate collapsed the tuned table names no best rate; both against the runs' tags."""
