@@ -208,7 +208,8 @@ def test_interrupt_marks_runs_killed_and_the_store_stays_usable(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
 
 
-@pytest.mark.parametrize("start", ["warm", pytest.param("cold", marks=pytest.mark.slow)])  # cold: CI
+@pytest.mark.slow  # a sweep killed outright, warm and cold: CI (make test-ci)
+@pytest.mark.parametrize("start", ["warm", "cold"])
 def test_a_job_ends_with_the_process_that_started_it(tmp_path, start):
     """The sweep's process killed outright (SIGKILL: no handler runs; the out-of-memory killer, a scheduler's
     cancel): its job process does not train on, whether forked from the starter or a new interpreter."""
