@@ -55,12 +55,24 @@ def pytest_unconfigure(config):
                 os.kill(int(entry.name), signal.SIGTERM)
 
 
+# the files of CI's longest tests (minutes each: the default sweep, the SLURM cluster's, the PostgreSQL server's,
+# the team server's), handed out first, longest first
+LONGEST_FIRST = ("test_default_run.py", "test_slurm.py", "test_postgres.py", "test_store.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The files that hold slow tests first, each file's tests in their order: `make test-ci` (both suites in
-    one session, `--no-loadscope-reorder`) then hands the long files out first, so the default sweep (6 min on
-    one core) runs beside the short files instead of after them."""
+    """The files of CI's longest tests first, then the other files that hold slow tests, each file's tests in
+    their order: `make test-ci` (both suites in one session, `--no-loadscope-reorder`) then hands them out
+    first, so the long ones run beside the short files instead of after them."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+
+    def rank(item) -> int:
+        name = item.path.name
+        if name in LONGEST_FIRST and item.path in slow_files:
+            return LONGEST_FIRST.index(name)
+        return len(LONGEST_FIRST) + (item.path not in slow_files)
+
+    items.sort(key=rank)
 
 
 def own_cores(worker: str | None, workers: int) -> None:
