@@ -78,6 +78,7 @@ def decoder_sweeps(tmp_path_factory):
     return plain, finished_points(plain), checkpointed, {point: run}
 
 
+@pytest.mark.slow  # two decoder sweeps: CI (make test-ci)
 def test_decoders_train_on_both_backends(decoder_sweeps):
     _, plain, _, checkpointed = decoder_sweeps
     assert sorted(plain) == [(m, b) for m in ("llama-tiny", "qwen-tiny") for b in ("accelerator", "trainer")]
@@ -94,6 +95,7 @@ def test_decoders_train_on_both_backends(decoder_sweeps):
         assert len(sizes) == 1, model
 
 
+@pytest.mark.slow  # two decoder sweeps: CI (make test-ci)
 def test_gradient_checkpointing_recomputes_the_same_training(decoder_sweeps):
     """Checkpointing trades memory for compute only: the same losses, state and eval figures."""
     plain_tmp, plain, checkpointed_tmp, checkpointed = decoder_sweeps

@@ -326,6 +326,7 @@ def test_the_starter_starts_from_the_command_line_only_where_it_shows_a_warm_sta
 # ---- a starter kept between commands (PIPELINE_STARTER_KEEP_S) ------------------------------------------------
 
 
+@pytest.mark.slow  # a starter of its own over two commands, one killed: CI (make test-ci)
 def test_a_kept_starter_serves_the_next_command_and_kills_the_job_of_a_command_killed_outright(tmp_path):
     """With PIPELINE_STARTER_KEEP_S the starter outlives its command: the next command with the same environment
     forks its jobs from it; that command killed outright (SIGKILL), the starter kills its running job and
