@@ -171,8 +171,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
-    versions = library_versions()
-    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=PLAN_SOURCES)
+    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions(), sources=PLAN_SOURCES)
 
     def figures() -> dict:
         from pipeline import plan, plan_ranks
