@@ -23,7 +23,8 @@ from pipeline.keys import check_keys  # noqa: E402
 # `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
 GROUP_HELP = {
     "optim": "the optimizer and its settings, docs/optimizers.md",
-    "model": "the model fine-tuned for sequence classification (tiny: 1M parameters, for tests)",
+    "model": "the model fine-tuned (tiny: 1M parameters, for tests; the decoders also as language models)",
+    "task": "classification (a head over the data's labels) or causal_lm (a decoder's next-token loss on the text)",
     "data": "the dataset (csv: your own files, data.train_file and data.eval_file)",
     "backend": "the training loop, the HF Trainer (an optim= string) or an Accelerate loop (the object)",
     "tracking": "the MLflow store, local (sqlite under outputs_dir) or a server (tracking.uri)",

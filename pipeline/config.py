@@ -24,6 +24,7 @@ from pipeline.starter import MODES as START_MODES
 
 BACKENDS = ("trainer", "accelerator")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure")
+TASKS = ("classification", "causal_lm")  # conf/task/
 QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection uses, on the validation split
 PADDINGS = ("longest", "max_length")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")  # zero2: planned only (plan=true); training runs the others
@@ -32,7 +33,7 @@ MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need wh
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("optim", "model", "data", "backend", "tracking", "launcher")
+GROUPS = ("optim", "model", "task", "data", "backend", "tracking", "launcher")
 TRACKING_KEYS = ("tracking.uri", "outputs_dir")  # what the store check reads
 
 
@@ -134,6 +135,7 @@ def _null_or(ok):
 
 
 CHOICES = {
+    "task.name": TASKS,
     "backend.name": BACKENDS,
     "data.loader": DATA_LOADERS,
     "train.precision": PRECISIONS,
@@ -149,7 +151,7 @@ POSITIVE_INTS = (
     "launcher.n_jobs",
     "launcher.nproc_per_job",
 )
-BOOLEANS = ("find_batch_size", "plan", "train.gradient_checkpointing")
+BOOLEANS = ("find_batch_size", "plan", "train.gradient_checkpointing", "train.packing")
 LOG_LEVELS = LEVELS  # log_level: pipeline.quiet
 
 
@@ -279,6 +281,27 @@ def _check_positions(cfg: DictConfig) -> None:
     )
 
 
+def _check_task_model(cfg: DictConfig) -> None:
+    """task=causal_lm needs a decoder: an encoder (BERT, MiniLM) has a bidirectional attention and no
+    next-token head to fine-tune; train.packing is a language model's way of batching."""
+    from pipeline.models import ENCODER_TYPES, decoders, model_type
+
+    if cfg.task.name == "causal_lm":
+        kind = model_type(cfg.model)
+        if kind in ENCODER_TYPES:
+            raise ConfigError(
+                f"task=causal_lm is invalid with model={cfg.model.name}: it is an encoder ({kind}), not a "
+                f"decoder that predicts the next token; the decoders: {', '.join(decoders())}",
+                ("task.name", "model.name"),
+            )
+    elif cfg.train.packing:
+        raise ConfigError(
+            f"train.packing=true is invalid with task={cfg.task.name}: packing cuts the texts into blocks for "
+            "a language model (task=causal_lm); a classifier's text is one sequence with its label",
+            ("train.packing", "task.name"),
+        )
+
+
 def _check_file(cfg: DictConfig, key: str) -> None:
     """A data file: its type, that it exists and is readable, and that it has the configured columns."""
     _check(
@@ -372,6 +395,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_device_memory, cfg)
     yield partial(_check_search_alone, cfg)
     yield partial(_check_positions, cfg)
+    yield partial(_check_task_model, cfg)
     yield partial(check_tracking_uri, cfg)
     if cfg.data.loader == "files":
         for key in ("data.train_file", "data.eval_file"):

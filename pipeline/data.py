@@ -1,4 +1,5 @@
-"""Datasets -> train/eval splits with a `text` and an integer `label` column, then tokenized."""
+"""Datasets -> train/eval splits with a `text` and an integer `label` column, then tokenized (for a language
+model, task=causal_lm: the text alone, optionally packed into full blocks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import cache
 
+IGNORE_INDEX = -100  # a label the loss leaves out (torch's cross_entropy ignore_index, transformers' padding)
 FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -23,6 +25,7 @@ class Splits:
     label_names: list[str]
     val: object = None  # validation, carved out of the training data (val_* metrics, selection); None: none
     inputs: list[dict] = field(default_factory=list)  # the splits as read, for MLflow (dataset_inputs)
+    task: str = "classification"  # what the tokenized splits are for (tokenize): classification | causal_lm
 
     @property
     def num_labels(self) -> int:
@@ -251,20 +254,35 @@ def _first(ds, limit: int | None):
     return ds if ds is None or not limit else ds.select(range(min(limit, len(ds))))
 
 
-def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Splits:
+def tokenize(
+    splits: Splits,
+    tokenizer,
+    max_length: int,
+    vocab_size: int,
+    task: str = "classification",
+    packing: bool = False,
+) -> Splits:
     """Truncate to max_length tokens; no padding here (each batch is padded to its longest text).
+
+    task=causal_lm: the text alone (the labels are the input ids, made by the collator); with `packing`, every
+    split's texts are tokenized whole, concatenated and cut into blocks of max_length tokens, the remainder
+    shorter than a block dropped (transformers' run_clm example's `group_texts`).
 
     A tokenizer larger than the model's vocabulary (a random-weight model with the fallback tokenizer) has
     its extra ids mapped to the unknown token.
     """
     clip = len(tokenizer) > vocab_size
     unk = tokenizer.unk_token_id
+    classify = task == "classification"
 
     def encode(batch):
-        enc = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        enc = tokenizer(batch["text"], truncation=not packing, max_length=None if packing else max_length)
         if clip:
             enc["input_ids"] = [[i if i < vocab_size else unk for i in ids] for ids in enc["input_ids"]]
-        enc["labels"] = batch["label"]
+        if classify:
+            enc["labels"] = batch["label"]
+        elif packing:
+            enc = {key: _blocks(values, max_length) for key, values in enc.items()}
         return enc
 
     # the fingerprint named here, from what the output depends on: `datasets` would otherwise hash the
@@ -273,20 +291,30 @@ def tokenize(splits: Splits, tokenizer, max_length: int, vocab_size: int) -> Spl
     # reinstalled tokenizer)
     folder = tokenizer.name_or_path
     stamp = json.dumps(cache.file_stamp(folder)) if Path(folder).is_dir() else ""
+    # a classification's fingerprint as it always was: its cached splits stay valid
+    shape = "" if classify else f"|{task}|packing={packing}"
 
     def run(ds):
-        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{stamp}"
+        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{stamp}{shape}"
         fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
         return ds.map(
             encode,
             batched=True,
+            # packing: one batch of texts becomes the blocks it fills (the map's default batch, 1,000 texts,
+            # leaves out at most one block's tail per 1,000 texts)
             remove_columns=ds.column_names,
-            desc="tokenizing",
+            desc="packing" if packing else "tokenizing",
             new_fingerprint=fingerprint,
         )
 
     val = None if splits.val is None else run(splits.val)
-    return replace(splits, train=run(splits.train), eval=run(splits.eval), val=val)
+    return replace(splits, train=run(splits.train), eval=run(splits.eval), val=val, task=task)
+
+
+def _blocks(sequences: list[list[int]], size: int) -> list[list[int]]:
+    """The sequences concatenated and cut into blocks of `size`, the tail shorter than a block dropped."""
+    flat = [token for sequence in sequences for token in sequence]
+    return [flat[i : i + size] for i in range(0, len(flat) - size + 1, size)]
 
 
 class PaddingCollator:
@@ -296,17 +324,20 @@ class PaddingCollator:
     batches, whatever a data loader fetches ahead or evaluates afterwards.
     """
 
-    def __init__(self, tokenizer, padding: str, max_length: int):
+    def __init__(self, tokenizer, padding: str, max_length: int, task: str = "classification"):
         from transformers import DataCollatorWithPadding
 
         self._pad = DataCollatorWithPadding(tokenizer, padding=padding, max_length=max_length)
         self.input_names = tuple(tokenizer.model_input_names)  # the tensors of a batch, besides the labels
         self.batches: list[tuple[int, int]] = []  # (non-padding tokens, all tokens) per batch
+        self.causal = task == "causal_lm"
 
     def __call__(self, features):
         batch = self._pad(features)
         mask = batch["attention_mask"]
         self.batches.append((int(mask.sum()), mask.numel()))
+        if self.causal:  # the next-token labels: the input ids, padding left out of the loss (-100)
+            batch["labels"] = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
         return batch
 
     def token_counts(self, steps: int) -> tuple[int, int]:

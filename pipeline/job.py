@@ -33,12 +33,14 @@ def load(cfg: DictConfig):
     splits = data.read_splits(cfg.data, cfg.outputs_dir)  # (their `inputs`: the splits as read, for MLflow)
     labels = splits.label_names
     tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_model(cfg.model, len(labels), labels)
+    model = models.load_model(cfg.model, len(labels), labels, cfg.task.name)
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.train.precision == "bf16_pure":
         # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
         model.to(torch.bfloat16)
-    splits = data.tokenize(splits, tokenizer, cfg.train.max_length, models.vocab_size(model))
+    splits = data.tokenize(
+        splits, tokenizer, cfg.train.max_length, models.vocab_size(model), cfg.task.name, cfg.train.packing
+    )
     return tokenizer, splits, model
 
 
@@ -63,7 +65,7 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     if cfg.find_batch_size:
         result = batch_size.fit_result(cfg, model, splits, choice, tokenizer, job_dir)
     else:
-        collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
+        collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length, cfg.task.name)
         with StepTimer(model) as timer:
             out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
         result = measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)
@@ -102,9 +104,17 @@ def result_line(metrics: dict) -> str:
     return (
         f"state {m['optimizer_state_mb']:.2f} MB "
         f"(estimated {m.get('estimated_optimizer_state_mb', float('nan')):.2f}), "
-        f"peak {m['peak_memory_mb']:.1f} MB, eval F1 {m['eval_f1']:.3f}, "
+        f"peak {m['peak_memory_mb']:.1f} MB, {quality_text(m, 'eval ')}, "
         f"{m['train_samples_per_second']:.1f} samples/s"
     )
+
+
+def quality_text(metrics: dict, prefix: str = "") -> str:
+    """The held-out figure a run is read by: a classifier's F1 (`F1 0.727`), a language model's perplexity
+    (`perplexity 312.4`)."""
+    if "eval_perplexity" in metrics:
+        return f"{prefix}perplexity {metrics['eval_perplexity']:,.1f}"
+    return f"{prefix}F1 {metrics.get('eval_f1', float('nan')):.3f}"
 
 
 def short_mb(value: float) -> str:
@@ -135,12 +145,12 @@ def run_description(metrics: dict, tags: dict | None = None) -> str:
     ` (collapsed)` where (nearly) every prediction fell in one class (tag collapsed: its F1 measures the
     class balance, not a trained model)."""
     m = metrics
-    if "optimizer_state_mb" not in m or "eval_f1" not in m:
+    if "optimizer_state_mb" not in m or not ("eval_f1" in m or "eval_perplexity" in m):
         return result_line(m)
     collapsed = " (collapsed)" if (tags or {}).get("collapsed") == "true" else ""
     return (
         f"state {short_mb(m['optimizer_state_mb'])} MB, peak {short_mb(m['peak_memory_mb'])} MB, "
-        f"F1 {m['eval_f1']:.3f}{collapsed}"
+        f"{quality_text(m)}{collapsed}"
     )
 
 

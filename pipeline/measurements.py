@@ -190,6 +190,10 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     return store.get(["step", *inputs], figures)
 
 
+# task=causal_lm: what becomes of the data's label column (a run's tag, and the sweep's console once)
+LABELS_IGNORED = "ignored: task=causal_lm trains on the text column alone (next-token labels)"
+
+
 def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
     """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
     the registry's answer for the job (`pipeline.optimizers.choose`)."""
@@ -264,6 +268,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     shares = [m["top_class_share"] for m in (out.eval_metrics, out.val_metrics) if "top_class_share" in m]
     if shares:  # (nearly) every prediction in one class: binary F1 flatters such a model
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
+    if splits.task == "causal_lm":
+        tags["labels"] = LABELS_IGNORED
     if method:
         tags["prediction_method"] = method
     if spec.name == "custom":  # how its estimate was found (there is no analytic model of it)
@@ -285,8 +291,12 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         },
         "params": {
             "device": out.device,
-            "num_labels": num_labels,
-            "label_names": labels_param,  # id2label: eval_f1 is the F1 of class 1 (of two)
+            # id2label: eval_f1 is the F1 of class 1 (of two); a language model has no classes
+            **(
+                {"num_labels": num_labels, "label_names": labels_param}
+                if splits.task == "classification"
+                else {}
+            ),
             "train_samples": len(splits.train),
             "eval_samples": len(splits.eval),
             "val_samples": 0 if splits.val is None else len(splits.val),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from pathlib import Path
 
@@ -67,31 +68,82 @@ def label_kwargs(num_labels: int, label_names: list[str] | None) -> dict:
 TRAINING = {"use_cache": False}
 
 
-def load_model(model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None):
-    from transformers import AutoModelForSequenceClassification
+# model types whose attention is bidirectional: no next-token head to fine-tune as a language model (transformers
+# registers a causal-LM class for some of them, BertLMHeadModel, but as a decoder half of an encoder-decoder)
+ENCODER_TYPES = frozenset(
+    ("bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta", "mpnet")
+)
 
-    labels = {**label_kwargs(num_labels, label_names), **TRAINING}
+
+def model_type(model_cfg: DictConfig) -> str:
+    """The transformers model type (`llama`, `bert`), read from the yaml's architecture or the config.json of
+    the packaged or cached weights, without importing transformers."""
+    if model_cfg.architecture is not None:
+        return str(model_cfg.architecture.model_type)
+    if model_cfg.package:
+        return json.loads((packaged_path(model_cfg.package) / "config.json").read_text())["model_type"]
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_cfg.hub_id).model_type
+
+
+def decoders() -> list[str]:
+    """The models of conf/model that are decoders (task=causal_lm builds them with their LM head)."""
+    folder = Path(__file__).resolve().parent.parent / "conf" / "model"
+    found = []
+    for path in sorted(folder.glob("*.yaml")):
+        arch = OmegaConf.load(path).get("architecture")
+        if arch is not None and arch.get("model_type") not in ENCODER_TYPES:
+            found.append(path.stem)
+    return found
+
+
+def auto_class(task: str):
+    """The transformers Auto class a job of `task` builds its model with."""
+    import transformers
+
+    return {
+        "classification": transformers.AutoModelForSequenceClassification,
+        "causal_lm": transformers.AutoModelForCausalLM,
+    }[task]
+
+
+def head_kwargs(task: str, num_labels: int, label_names: list[str] | None) -> dict:
+    """The config's settings for the model's head: a classifier's labels; a language model's head is its
+    vocabulary."""
+    labels = label_kwargs(num_labels, label_names) if task == "classification" else {}
+    return {**labels, **TRAINING}
+
+
+def load_model(
+    model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None, task: str = "classification"
+):
+    """The model a job trains: a classifier over `num_labels` classes, or (task=causal_lm) the decoder with
+    its LM head."""
+    cls = auto_class(task)
     if model_cfg.pretrained:
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         try:
-            return AutoModelForSequenceClassification.from_pretrained(source, **labels)
+            return cls.from_pretrained(source, **head_kwargs(task, num_labels, label_names))
         except OSError as err:
             raise OSError(
                 f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
                 f"cache ({err.__class__.__name__}); set model.pretrained=false to build it with random weights"
             ) from err
-    return AutoModelForSequenceClassification.from_config(model_config(model_cfg, num_labels, label_names))
+    return cls.from_config(model_config(model_cfg, num_labels, label_names, task))
 
 
 def vocab_size(model) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
-def model_config(model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None):
+def model_config(
+    model_cfg: DictConfig, num_labels: int, label_names: list[str] | None = None, task: str = "classification"
+):
     """The transformers config a job's model is built from, read without any weights (plan mode)."""
     from transformers import AutoConfig
 
-    labels = {**label_kwargs(num_labels, label_names), **TRAINING}
+    labels = head_kwargs(task, num_labels, label_names)
     if model_cfg.architecture is None:  # a packaged or hub model: its own config file
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         return AutoConfig.from_pretrained(source, **labels)

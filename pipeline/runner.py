@@ -45,14 +45,16 @@ def run_name(cfg: DictConfig) -> str:
 
 
 def selection_metric(cfg: DictConfig) -> str:
-    """The metric a point is selected by: `eval.metric` on the validation split."""
-    return f"val_{cfg.eval.metric}"
+    """The metric a point is selected by, on the validation split: `eval.metric` (higher is better); a
+    language model's (task=causal_lm) loss (lower is better)."""
+    return "val_loss" if OmegaConf.select(cfg, "task.name") == "causal_lm" else f"val_{cfg.eval.metric}"
 
 
 def job_params(cfg: DictConfig) -> dict:
     return {
         "optim": cfg.optim.name,
         "model": cfg.model.name,
+        "task": cfg.task.name,
         "data": cfg.data.name,
         "backend": cfg.backend.name,
         "batch_size": cfg.batch_size,
@@ -70,6 +72,7 @@ def job_params(cfg: DictConfig) -> dict:
         "precision": cfg.train.precision,
         "padding": cfg.train.padding,
         "group_by_length": cfg.train.group_by_length,
+        "packing": cfg.train.packing,
         "gradient_checkpointing": cfg.train.gradient_checkpointing,
         "memory_budget_mb": cfg.memory_budget_mb,
         "memory_track_steps": cfg.memory_track_steps,
@@ -271,6 +274,10 @@ def config_hash(cfg: DictConfig) -> str:
         del point["train"]["sharding"]
     if point["train"].get("gradient_checkpointing") is False:
         del point["train"]["gradient_checkpointing"]
+    if point["train"].get("packing") is False:
+        del point["train"]["packing"]
+    if point.get("task", {}).get("name") == "classification":
+        del point["task"]
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)

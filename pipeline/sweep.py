@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import browse, journal, runner, starter
 from pipeline.job import short_mb
-from pipeline.runner import SKIPPED_FILE, Outcome
+from pipeline.runner import SKIPPED_FILE, Outcome, selection_metric
 from pipeline.tracking import SKIPPED_RUN, StoreError, Tracker
 
 SWEEP_FILE = "mlflow_sweep.json"
@@ -322,9 +322,11 @@ class SweepCallback(Callback):
         from hydra.core.utils import JobStatus
 
         if job_return.status == JobStatus.COMPLETED and job_return.return_value is not None:
-            value = job_return.return_value  # the task function's: val_<eval.metric>
+            value = (
+                job_return.return_value
+            )  # the task function's: val_<eval.metric>, or a language model's loss
             print(
-                f"[job] returns val_{config.eval.metric}={value:.6f} (validation split: what a sweeper optimises)"
+                f"[job] returns {selection_metric(config)}={value:.6f} (validation split: what a sweeper optimises)"
             )
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

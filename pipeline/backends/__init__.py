@@ -115,6 +115,30 @@ def classification_metrics(logits: np.ndarray, labels: np.ndarray, num_labels: i
     }
 
 
+LM_METRIC_KEYS = ("perplexity", "next_token_accuracy")  # task=causal_lm: language_model_metrics
+
+
+def metric_keys(task: str) -> tuple[str, ...]:
+    """The quality figures an evaluation of `task` gives, besides the loss."""
+    return LM_METRIC_KEYS if task == "causal_lm" else METRIC_KEYS
+
+
+def next_token_accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
+    """The share of the positions with a label whose most likely token (`predictions`: the argmax of the
+    logits, batch x sequence) is the token that follows: prediction i against label i + 1, the shift
+    transformers' causal-LM loss makes; labels of -100 (padding) are left out."""
+    predicted, target = np.asarray(predictions)[:, :-1], np.asarray(labels)[:, 1:]
+    kept = target != -100
+    return float((predicted == target)[kept].mean())
+
+
+def language_model_metrics(loss: float, accuracy: float) -> dict[str, float]:
+    """A language model's quality beside its eval loss: perplexity, exp(loss) (the loss: the mean over
+    batches of each batch's mean next-token cross-entropy, as the Trainer's eval_loss), and next-token
+    accuracy."""
+    return {"perplexity": math.exp(loss) if loss < 700 else math.inf, "next_token_accuracy": accuracy}
+
+
 def training_memory(cfg, spec, device, model):
     """The peak-memory tracker of a training loop, set up alike for both backends."""
     import torch

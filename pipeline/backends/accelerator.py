@@ -20,6 +20,7 @@ from pipeline.backends import (
     check_device,
     classification_metrics,
     enable_checkpointing,
+    language_model_metrics,
     optimizer_step_mode,
     training_memory,
 )
@@ -39,11 +40,12 @@ def batches(loader, steps: int):
 
 
 def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="eval") -> dict[str, float]:
-    """Loss and classification_metrics over a split; the model (and a schedule-free optimizer) go back to
-    training mode afterwards."""
+    """Loss and classification_metrics (a language model: language_model_metrics) over a split; the model (and
+    a schedule-free optimizer) go back to training mode afterwards."""
     model.eval()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.eval()
+    causal = splits.task == "causal_lm"
     logits, labels, sample_losses = [], [], []
     with torch.no_grad():
         for batch in tqdm(eval_loader, desc=desc, disable=not accelerator.is_main_process, leave=False):
@@ -52,14 +54,25 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="e
             # split on any number of ranks (gather_for_metrics drops the samples a rank repeated)
             per_sample = out.loss.detach().float().expand(len(batch["labels"]))
             sample_losses.append(accelerator.gather_for_metrics(per_sample).double().cpu().numpy())
+            if causal:  # each text's (right next tokens, positions with a label): the whole vocabulary's
+                # logits of a split would not fit in memory
+                predicted, target = out.logits.argmax(dim=-1)[:, :-1], batch["labels"][:, 1:]
+                kept = target != -100
+                counts = torch.stack([((predicted == target) & kept).sum(-1), kept.sum(-1)], dim=-1)
+                labels.append(accelerator.gather_for_metrics(counts).cpu().numpy())
+                continue
             logits.append(accelerator.gather_for_metrics(out.logits).float().cpu().numpy())
             labels.append(accelerator.gather_for_metrics(batch["labels"]).cpu().numpy())
-    labels = np.concatenate(labels)
-    metrics = classification_metrics(np.concatenate(logits), labels, splits.num_labels)
+    loss = float(np.concatenate(sample_losses).mean())
+    if causal:
+        right, counted = np.concatenate(labels).sum(axis=0)
+        metrics = language_model_metrics(loss, float(right / counted))
+    else:
+        metrics = classification_metrics(np.concatenate(logits), np.concatenate(labels), splits.num_labels)
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
-    return {"loss": float(np.concatenate(sample_losses).mean()), **metrics}
+    return {"loss": loss, **metrics}
 
 
 def schedule(cfg, optimizer, spec):

@@ -15,12 +15,14 @@ from transformers.training_args import ParallelMode
 from pipeline import learning_rate, quiet
 from pipeline.backends import (
     CHECKPOINTING_KWARGS,
-    METRIC_KEYS,
     StepLosses,
     TrainOutput,
     check_device,
     checkpointing_name,
     classification_metrics,
+    language_model_metrics,
+    metric_keys,
+    next_token_accuracy,
     optimizer_step_mode,
     training_memory,
 )
@@ -110,6 +112,33 @@ def close_progress_bars(trainer: Trainer) -> None:
                 setattr(callback, name, None)
 
 
+def quality(splits) -> dict:
+    """The Trainer's compute_metrics for the splits' task. A language model's: the logits reduced to their
+    argmax batch by batch (a whole split's logits, sequence x vocabulary per text, would not fit in memory)
+    and perplexity from the loss, which the Trainer computes itself (eval_loss) and hands to no metric."""
+    if splits.task != "causal_lm":
+        return {
+            "compute_metrics": lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels)
+        }
+
+    def compute(p):
+        return {"next_token_accuracy": next_token_accuracy(p.predictions, p.label_ids)}
+
+    return {
+        "compute_metrics": compute,
+        "preprocess_logits_for_metrics": lambda logits, labels: logits.argmax(dim=-1),
+    }
+
+
+def with_perplexity(metrics: dict, prefix: str) -> dict:
+    """The Trainer's evaluation of a language model with its perplexity (exp of the eval loss)."""
+    key = f"{prefix}_next_token_accuracy"
+    if key not in metrics:
+        return metrics
+    lm = language_model_metrics(metrics[f"{prefix}_loss"], metrics[key])
+    return {**metrics, **{f"{prefix}_{k}": v for k, v in lm.items()}}
+
+
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # the Trainer's own optim= string where its path carries the config's settings; otherwise it is handed
     # the registry's optimizer (the one the Accelerator loop builds)
@@ -160,7 +189,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         train_dataset=splits.train,
         eval_dataset=splits.val if every else splits.eval,
         data_collator=collate,
-        compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, splits.num_labels),
+        **quality(splits),
         optimizers=(None, None) if optim else (spec.build(model, cfg), None),
         callbacks=[ReadLosses(step_losses)],
         step_losses=step_losses,
@@ -182,14 +211,16 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     history = trainer.state.log_history
     val_series: dict[str, dict[int, float]] = {}
     for entry in history:  # the periodic validation passes (the last step's is the final one, below)
+        entry = with_perplexity(entry, "eval")
         if "eval_loss" in entry and entry["step"] < cfg.train.max_steps:
-            for key in ("loss", *METRIC_KEYS):
+            for key in ("loss", *metric_keys(splits.task)):
                 if f"eval_{key}" in entry:
                     val_series.setdefault(key, {})[entry["step"]] = entry[f"eval_{key}"]
 
     def evaluated(dataset, prefix: str) -> dict[str, float]:
-        metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix)
-        return {k: metrics[f"{prefix}_{k}"] for k in ("loss", *METRIC_KEYS) if f"{prefix}_{k}" in metrics}
+        metrics = with_perplexity(trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix), prefix)
+        keys = ("loss", *metric_keys(splits.task))
+        return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     return TrainOutput(
