@@ -9,11 +9,13 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from pipeline import backends, data, job, optimizers
+from pipeline import backends, data, job, models, optimizers
 from pipeline.backends import next_token_accuracy
 from pipeline.config import ConfigError, validate
+from pipeline.memory import optimizer_state_size
 from pipeline.runner import config_hash, selection_metric
-from tests.conftest import compose_cfg
+from tests.conftest import ci_sample, compose_cfg
+from tests.test_memory import FAST_STEP, build
 
 LM = ["task=causal_lm", "data.max_train_samples=64", "data.max_eval_samples=16", "train.max_steps=3"]
 
@@ -105,3 +107,35 @@ def test_both_backends_train_the_language_model_to_the_same_figures(tmp_path):
     assert loop.losses == pytest.approx(trainer.losses, rel=1e-5)
     for key, value in trainer.eval_metrics.items():
         assert loop.eval_metrics[key] == pytest.approx(value, rel=1e-5), key
+
+
+# the optimizers whose LM rows run in make test, one per kind of accounting (full, factored, 8-bit blocks, parts,
+# low-rank projections, in-backward); `make test-matrix` runs the others
+LM_SAMPLE = ["adamw", "adafactor", "adamw_8bit", "muon", "galore_adamw", "lomo"]
+
+
+@pytest.mark.parametrize("model_name", ["gpt2-tiny", "llama-tiny"])  # tied embeddings, untied
+@pytest.mark.parametrize("optim", ci_sample(list(optimizers.REGISTRY), LM_SAMPLE))
+def test_every_optimizer_holds_the_state_it_estimates_for_a_language_model(optim, model_name):
+    """Each registered optimizer's state after one next-token step equals its estimate to the byte; a tied
+    LM head (GPT-2's, the embeddings' own matrix) is one parameter, counted once."""
+    cfg = compose_cfg(f"model={model_name}", "task=causal_lm", f"optim={optim}", *FAST_STEP.get(optim, ()))
+    torch.manual_seed(0)
+    model = models.load_model(cfg.model, 2, None, "causal_lm")
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (model_name == "gpt2-tiny")
+    distinct = {id(p) for p in model.parameters()}
+    assert len(distinct) == len(list(model.parameters()))  # (torch lists a tied weight once)
+    spec = optimizers.get(optim)
+    optimizer = build(spec, model, cfg)
+    if spec.needs_train_eval_mode:
+        optimizer.train()
+    ids = torch.randint(0, models.vocab_size(model), (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    if hasattr(optimizer, "fused_backward"):  # LOMO, AdaLomo: the update runs inside the backward pass
+        optimizer.fused_backward(loss, optimizer.defaults["lr"])
+    else:
+        loss.backward()
+        optimizer.step()
+    measured = optimizer_state_size(optimizer)
+    assert measured == spec.estimate(optimizers.param_infos(model), cfg, None, model.config)

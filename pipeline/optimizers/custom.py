@@ -5,6 +5,8 @@ it made; `bench/optimizer_table.py` and the tests run it for the registered opti
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from pipeline import StateSize, learning_rate
 from pipeline.optimizers.in_backward import step_without_backward
 from pipeline.optimizers.spec import OptimizerSpec, param_groups
@@ -106,14 +108,16 @@ def meta_copy(model):
     return copy.deepcopy(model, memo)
 
 
-def meta_model(model_config, itemsize: int):
-    """A sequence classifier of this config built on the meta device, in the dtype its weights have."""
+def meta_model(model_config, itemsize: int, task: str = "classification"):
+    """The job's model of this config (a sequence classifier, or for task=causal_lm the decoder with its LM
+    head) built on the meta device, in the dtype its weights have."""
     import torch
-    from transformers import AutoModelForSequenceClassification
+
+    from pipeline.models import auto_class
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(model_config, dtype=dtype)
+        return auto_class(task).from_config(model_config, dtype=dtype)
 
 
 def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
@@ -148,7 +152,8 @@ def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
 
 def estimate_custom(params, cfg, variant=None, model_config=None) -> StateSize:
     """optim=custom: no analytic model, the meta-device step on the model its config describes."""
-    return meta_estimate(CUSTOM, cfg, meta_model(model_config, params[0].itemsize))
+    task = OmegaConf.select(cfg, "task.name", default="classification")
+    return meta_estimate(CUSTOM, cfg, meta_model(model_config, params[0].itemsize, task))
 
 
 # --- the registry's row -----------------------------------------------------------------------------------
