@@ -2,12 +2,13 @@
 
 One row per (model, batch size, backend, optimizer): what the optimizer keeps in state and at peak, the
 difference against the baseline optimizer (AdamW) of the same model, batch size and backend, and what that
-costs in loss, accuracy, F1 and speed; seeds are aggregated to mean ± sample std. The report reads only what
+costs in loss, accuracy, F1 and speed (a language model's, task=causal_lm: loss, perplexity and next-token
+accuracy, in a table of its own); seeds are aggregated to mean ± sample std. The report reads only what
 the tracker wrote: child runs by `mlflow.search_runs`, loss curves by `MlflowClient.get_metric_history`.
 
 Where an optimizer ran at several learning rates in a point, a tuned section: each optimizer at the rate
-with the best mean validation metric over seeds, compared on the held-out test split with Welch's test
-against the baseline (tuned.py).
+with the best mean validation metric over seeds (a language model's: the lowest validation loss), compared on
+the held-out test split with Welch's test against the baseline (tuned.py).
 
 Writes report.md, report.html (self-contained), runs.csv (one row per job), comparison.csv (the table as
 numbers), tuned.csv (where rates were tuned) and PNG plots to outputs/report/<sweep>/.

@@ -108,8 +108,10 @@ def main(argv=None) -> int:
         "--quality-metric",
         default=QUALITY,
         choices=list(QUALITY_METRICS),
-        help="where an optimizer ran at several learning rates: the validation metric (val_<metric>) that "
-        "picks its rate, and the test metric (eval_<metric>) compared (default: %(default)s)",
+        help="where an optimizer ran at several learning rates: the classification metric whose validation "
+        "figure (val_<metric>, highest) picks its rate, and whose test figure (eval_<metric>) is compared "
+        "(default: %(default)s); a language model's (task=causal_lm) rate is the one with the lowest val_loss, "
+        "compared on eval_loss and eval_perplexity",
     )
     parser.add_argument(
         "--target-fraction",
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
         default=TARGET_FRACTION,
         metavar="F",
         help="steps to target: the first step at which an optimizer's mean validation metric reaches F x "
-        "the best final one among the optimizers of its point (default: %(default)s)",
+        "the best final one among the optimizers of its point (a language model's loss: falls to the lowest "
+        "final one / F) (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     overrides(parser, args)

@@ -34,6 +34,8 @@ COLUMNS = {
     "eval loss [nats]": "eval_loss",
     "eval accuracy [0-1]": "eval_accuracy",
     "eval F1 [0-1]": "eval_f1",
+    "eval perplexity": "eval_perplexity",
+    "eval next-token accuracy [0-1]": "eval_next_token_accuracy",
     "throughput [samples/s]": "train_samples_per_second",
     "throughput [tokens/s]": "train_tokens_per_second",
     "padding [0-1]": "padding_fraction",
@@ -51,11 +53,22 @@ KEY_LABELS = {
     "max_length": "max length [tokens]",
     "weight_decay": "weight decay",
 }
+# the tasks (conf/task/, param `task`; a run without the param is a classifier's), in the report's order, and
+# how each task's table is headed where the report holds a language model
+CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"
+TASKS = {CLASSIFICATION: "classification", CAUSAL_LM: "language model"}
+# the quality columns only one task logs: a table holds those of the tasks of its rows, never the others'
+TASK_COLUMNS = {
+    CLASSIFICATION: ["eval accuracy [0-1]", "eval F1 [0-1]"],
+    CAUSAL_LM: ["eval perplexity", "eval next-token accuracy [0-1]"],
+}
 # the comparison's lead table (after the optimizer and the settings that differ between rows): what the
-# choice of an optimizer turns on; the other columns sit in the "All columns" table below it
-DECISION = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval F1 [0-1]", "throughput [samples/s]"]
+# choice of an optimizer turns on (quality: a classifier's F1, a language model's perplexity); the other
+# columns sit in the "All columns" table below it. A table holds one task's quality columns, not the other's
+DECISION = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval F1 [0-1]", "eval perplexity"]
+DECISION += ["throughput [samples/s]"]
 CONSOLE = ["state [MB]", "Δ state [%]", "peak [MB]", "Δ peak [%]", "eval loss [nats]", "eval F1 [0-1]"]
-CONSOLE += ["throughput [samples/s]"]
+CONSOLE += ["eval perplexity", "eval next-token accuracy [0-1]", "throughput [samples/s]"]
 LEGEND = {
     "n [seeds]": "finished jobs (seeds) behind the row; with n > 1 every value is mean ± sample std (ddof=1)",
     "collapsed [runs]": "runs of the row whose predictions fell (nearly) all in one class (tag `collapsed`); "
@@ -77,9 +90,13 @@ LEGEND = {
     "optimizer step); other = the backward pass's and the optimizer step's temporaries (on CUDA also what the "
     "allocator holds outside tensors); empty where the tracker cannot follow the optimizer",
     "train loss [nats]": "cross-entropy of the last training step (`train_loss_final`)",
-    "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`)",
+    "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`; a language model's: the mean over "
+    "eval batches of each batch's mean next-token cross-entropy)",
     "eval accuracy [0-1], eval F1 [0-1]": "on the eval split; F1 of class 1 for 2 labels (its name: the "
     "preamble, param `label_names`), macro F1 otherwise",
+    "eval perplexity": "a language model's exp(eval loss) (`eval_perplexity`): lower is better",
+    "eval next-token accuracy [0-1]": "a language model's share of the eval split's labelled positions whose "
+    "most likely token is the next one (`eval_next_token_accuracy`)",
     "optimizer (variant)": "an optimizer the Trainer runs otherwise than the plain one (param `optim_variant`, "
     "tag `trainer_optim`): the variant is named beside it and explained in the preamble",
     "throughput [samples/s]": "training samples per second over the steady steps, warm-up left out "
@@ -90,13 +107,30 @@ LEGEND = {
     "sequence length) FLOPs per token × tokens/s against the device's peak for the precision (docs/metrics.md)",
     "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
 }
+# the legend's entries only one task's table has
+TASK_LEGEND = {
+    CLASSIFICATION: ["collapsed [runs]", "eval accuracy [0-1], eval F1 [0-1]"],
+    CAUSAL_LM: ["eval perplexity", "eval next-token accuracy [0-1]"],
+}
 # the tuned section: the quality metric that picks each optimizer's rate (val_<metric> on the validation
 # split) and that the optimizers are compared on (eval_<metric> on the held-out test split) -> its label
 QUALITY_METRICS = {"macro_f1": "macro-F1", "f1": "F1", "accuracy": "accuracy"}
 QUALITY = "macro_f1"
+# a language model's: the rate with the lowest mean validation loss (what its job returns), compared on the
+# test split's loss and perplexity; whatever the classification metric asked for
+LM_METRIC = "loss"
+LOWER_IS_BETTER = {LM_METRIC}
+METRIC_LABELS = {**QUALITY_METRICS, LM_METRIC: "loss"}
+METRIC_UNITS = {**dict.fromkeys(QUALITY_METRICS, "[0-1]"), LM_METRIC: "[nats]"}
+# the test figures a tuned row shows, by the metric that picked its rate (column label <- its eval_ metric)
+TUNED_TESTS = {LM_METRIC: {"test loss [nats]": "eval_loss", "test perplexity": "eval_perplexity"}}
 TARGET_FRACTION = 0.97  # steps to target: this share of the point's best final validation value
 UNTUNED_NOTE = (
     "F1 is compared at untuned rates (one learning rate per optimizer); "
+    "see docs/tuning.md for the tuned protocol."
+)
+UNTUNED_NOTE_LM = (
+    "perplexity is compared at untuned rates (one learning rate per optimizer); "
     "see docs/tuning.md for the tuned protocol."
 )
 TUNED_LEGEND = {
@@ -118,6 +152,17 @@ TUNED_LEGEND = {
     "state / peak [MB]": "optimizer state and peak memory at the best rate",
     "steps to target [steps]": "first evaluation step at which the mean over seeds of the validation metric "
     "reaches the target (target fraction × the point's best final validation value); empty without history",
+}
+# the tuned legend of a language model's rows (selected by the lowest validation loss), where it differs
+TUNED_LEGEND_LM = {
+    "best lr, best lr scale": "the rate with the lowest mean over seeds of the validation loss (`val_loss`, "
+    "validation split carved from the training data); ties go to the smaller rate",
+    "val loss [nats]": "the selection metric at the best rate (validation split)",
+    "test loss [nats], test perplexity": "at the best rate, on the held-out test split (`eval_loss`, "
+    "`eval_perplexity`)",
+    "Δ test loss [nats]": "test loss minus the baseline's, each at its own best rate (negative: lower loss)",
+    "steps to target [steps]": "first evaluation step at which the mean over seeds of the validation loss "
+    "falls to the target (the point's best final validation loss / target fraction); empty without history",
 }
 
 # the largest-batch table (find_batch_size=true jobs) <- MLflow metric

@@ -1,6 +1,6 @@
-"""The report's PNG plots (matplotlib, Agg): optimizer state, peak memory, F1 against peak, loss curves,
-throughput and the peak's breakdown; where learning rates were tuned, the validation metric against the rate
-and over steps."""
+"""The report's PNG plots (matplotlib, Agg): optimizer state, peak memory, F1 (a language model's: perplexity)
+against peak, loss curves, throughput and the peak's breakdown; where learning rates were tuned, the validation
+metric against the rate and over steps."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ PLOTS = {
     "state_mb.png": "Optimizer state per optimizer (log scale)",
     "peak_memory.png": "Peak memory per optimizer and batch size (error bars: std over seeds)",
     "f1_vs_peak.png": "Eval F1 against peak memory; the Pareto front (less memory, higher F1) is marked",
+    "perplexity_vs_peak.png": "A language model's eval perplexity (log scale) against peak memory; the Pareto "
+    "front (less memory, lower perplexity) is marked",
     "train_loss.png": "Training loss per optimizer (line: exponential moving average, weight "
     f"{EMA_WEIGHT}, of the mean over seeds; faint: the raw per-step mean, band: min to max over seeds)",
     "throughput.png": "Training throughput (non-padding tokens/s) per optimizer and precision",
@@ -35,10 +37,21 @@ TUNED_PLOTS = {
     "val_curves.png": "Validation {} over training steps at each optimizer's chosen rate (mean over seeds; "
     "dotted: the steps-to-target target)",
 }
+# a language model's (task=causal_lm), drawn where its rates were tuned: the validation loss
+LM_TUNED_PLOTS = {
+    "val_loss_vs_lr.png": "A language model's validation loss against the learning rate (line: mean over seeds, "
+    "band: ± std; ring: the chosen rate, the lowest)",
+    "val_loss_curves.png": "A language model's validation loss over training steps at each optimizer's chosen "
+    "rate (mean over seeds; dotted: the steps-to-target target)",
+}
 # f1_vs_peak.png's caption when the tuned section exists: its points are then the tuned ones
 TUNED_F1_CAPTION = (
     "Test {} at each optimizer's tuned learning rate against peak memory; the Pareto front (less memory, "
     "higher {}) is marked"
+)
+TUNED_PERPLEXITY_CAPTION = (
+    "A language model's test perplexity (log scale) at each optimizer's tuned learning rate against peak "
+    "memory; the Pareto front (less memory, lower perplexity) is marked"
 )
 BREAKDOWN = {
     "weights": "peak: weights [MB]",
@@ -82,7 +95,7 @@ def _labels(table: pd.DataFrame, columns: list[str]) -> pd.Series:
     """Row labels from the columns that vary (batch size and optimizer always, when asked for)."""
     always = ("batch_size", "optim")
     shown = [c for c in columns if c in always or table[c].nunique(dropna=False) > 1] or columns[:1]
-    named = {"batch_size": "bs {}", "model": "{}", "backend": "{}", "data": "{}", "optim": "{}"}
+    named = {"batch_size": "bs {}", "model": "{}", "backend": "{}", "data": "{}", "optim": "{}", "task": "{}"}
     return table[shown].apply(
         lambda row: " · ".join(named.get(c, c + "={}").format(row[c]) for c in shown), axis=1
     )
@@ -208,13 +221,20 @@ def place_labels(ax, points, texts, fontsize: float = 8) -> list:
 
 
 def plot_f1_peak(
-    table: pd.DataFrame, colors: dict, path: Path, y: str = "eval F1 [0-1]", name: str = "eval F1"
+    table: pd.DataFrame,
+    colors: dict,
+    path: Path,
+    y: str = "eval F1 [0-1]",
+    name: str = "eval F1",
+    lower: bool = False,
 ) -> list:
     """`y` against peak memory, one point per row, the Pareto front marked (the comparison's eval F1, or the
-    tuned table's test metric at each optimizer's best rate)."""
+    tuned table's test metric at each optimizer's best rate); `lower`: y is better when lower (a language
+    model's perplexity, on a log scale)."""
     x = "peak [MB]"
     fig, ax = _figure()
-    points = table.assign(label=_labels(table, point_columns(table)), front=pareto_front(table, x, y))
+    front = pareto_front(table, x, y, lower)
+    points = table.assign(label=_labels(table, point_columns(table)), front=front)
     # a row with a collapsed run (predictions all one class): a hollow marker, named in the legend
     hollow = points.get(COLLAPSED, pd.Series(0, index=points.index)).fillna(0).gt(0)
     for optim, rows in points.groupby("optim", sort=False):
@@ -233,8 +253,23 @@ def plot_f1_peak(
     ax.plot(front[x], front[y], "k--", drawstyle="steps-post", lw=1, label="Pareto front")
     ax.scatter(front[x], front[y], s=220, facecolors="none", edgecolors="k", lw=1.2)
     ax.set_xlabel("peak memory while training [MB]")
-    ax.set_ylabel(name)
-    ax.set_title(f"{name[0].upper()}{name[1:]} against peak memory (up and left is better)")
+    ax.set_ylabel(name + (" (log scale)" if lower else ""))
+    if lower:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.set_yscale("log")
+
+        def plain(value, _=None):  # 27,000 rather than 2.7 x 10^4
+            return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+        def minor(value, _):  # labelled within a decade (where there may be no major tick), else crowded
+            low, high = ax.get_ylim()
+            return plain(value) if high / low < 10 else ""
+
+        ax.yaxis.set_major_formatter(FuncFormatter(plain))
+        ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+    better = "down and left" if lower else "up and left"
+    ax.set_title(f"{name[0].upper()}{name[1:]} against peak memory ({better} is better)")
     ax.grid(alpha=0.3)
     ax.legend()
     shown = points.dropna(subset=[x, y])

@@ -8,23 +8,34 @@ import html
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
 from pipeline.report.columns import (
     BASELINE,
+    CAUSAL_LM,
+    CLASSIFICATION,
     KEY_LABELS,
     LEGEND,
+    LM_METRIC,
+    LOWER_IS_BETTER,
+    METRIC_LABELS,
     QUALITY,
     QUALITY_METRICS,
     TARGET_FRACTION,
+    TASK_LEGEND,
+    TASKS,
     TUNED_LEGEND,
+    TUNED_LEGEND_LM,
     VARIANTS,
 )
 from pipeline.report.plots import (
     BREAKDOWN,
+    LM_TUNED_PLOTS,
     PLOTS,
     TUNED_F1_CAPTION,
+    TUNED_PERPLEXITY_CAPTION,
     TUNED_PLOTS,
     _colors,
     _labels,
@@ -54,6 +65,7 @@ from pipeline.report.tables import (
     _fmt,
     _optimizer_order,
     _plain,
+    by_task,
     collapsed_note,
     compare,
     console_table,
@@ -61,6 +73,7 @@ from pipeline.report.tables import (
     failed_table,
     fit_table,
     format_table,
+    has_lm,
     is_fit_job,
     is_plan_job,
     pareto_front,
@@ -69,6 +82,9 @@ from pipeline.report.tables import (
     plan_table,
     plan_verdict,
     point_columns,
+    task_of,
+    task_title,
+    tasks_in,
 )
 from pipeline.report.tuned import (
     Tuned,
@@ -121,7 +137,8 @@ def _about(
     found = lambda c: ", ".join(map(str, jobs[c].dropna().unique())) if c in jobs else ""  # noqa: E731
     lines.append(f"device: {found('device')}; data: {found('data')}; max steps: {found('max_steps')}")
     lines.append(
-        f"Δ = optimizer − `{baseline}` of the same model, batch size and backend (in % of `{baseline}`'s value); "
+        f"Δ = optimizer − `{baseline}` of the same {'task, ' if has_lm(jobs) else ''}model, batch size and "
+        f"backend (in % of `{baseline}`'s value); "
         "with several seeds a value is mean ± sample std (ddof=1) over n seeds; "
         "an empty cell was not measured (e.g. CUDA figures on CPU); MB = 2^20 bytes"
     )
@@ -178,6 +195,91 @@ def count_note(jobs: pd.DataFrame, left_out: int, pooled: bool) -> str | None:
     )
 
 
+def _tuned_by_task(tuned) -> dict:
+    """The tuned sections by task (a Tuned whose rates a loss picked is a language model's)."""
+    found = [] if tuned is None else [tuned] if isinstance(tuned, Tuned) else list(tuned)
+    return {(CAUSAL_LM if t.metric in LOWER_IS_BETTER else CLASSIFICATION): t for t in found}
+
+
+def tuned_csv(tuned) -> pd.DataFrame:
+    """tuned.csv: the tuned tables of every task, one after the other; where a language model's is among them,
+    the column `task` first (its figures' columns are its own: empty on the other task's rows)."""
+    found = _tuned_by_task(tuned)
+    if CAUSAL_LM not in found:
+        return next(iter(found.values())).table
+    frames = [t.table.assign(task=task) for task, t in sorted(found.items(), key=lambda f: f[0] == CAUSAL_LM)]
+    both = pd.concat(frames, ignore_index=True)
+    return both[["task", *[c for c in both if c != "task"]]]
+
+
+class Section(NamedTuple):
+    """One task's part of the page: its comparison (lead, all columns), its tuned table, its quality plot."""
+
+    task: str
+    heading: str  # `Comparison`, or `Comparison: language model (task=causal_lm)` where a language model is
+    lead: pd.DataFrame
+    shared: str
+    shown: pd.DataFrame
+    marked: str | None
+    tuned: Tuned | None
+    tuned_shown: pd.DataFrame
+    tuned_note: str
+    front: str
+
+
+def _tuned_note(tuned: Tuned, baseline: str) -> str:
+    label = METRIC_LABELS[tuned.metric]
+    if tuned.metric in LOWER_IS_BETTER:
+        return (
+            f"(each optimizer at the learning rate with the lowest mean validation {label} over seeds "
+            f"(`val_{tuned.metric}`, validation split carved out of the training data); test figures on the "
+            f"held-out test split (`eval_*`), mean ± sample std; Δ and p against `{baseline}` at its own "
+            f"best rate, p = Welch's two-sided t-test over seeds; edge: the best rate is the lowest or highest "
+            f"tried, widen the grid there; steps to target: the first evaluation step at which the mean "
+            f"validation {label} falls to the best final one in the point / {tuned.target_fraction:g})"
+        )
+    return (
+        f"(each optimizer at the learning rate with the highest mean validation {label} over seeds "
+        f"(`val_{tuned.metric}`, validation split carved out of the training data); test figures on the "
+        f"held-out test split (`eval_*`), mean ± sample std; Δ and p against `{baseline}` at its own "
+        f"best rate, p = Welch's two-sided t-test over seeds; edge: the best rate is the lowest or highest "
+        f"tried, widen the grid there; steps to target: the first evaluation step at which the mean "
+        f"validation {label} reaches {tuned.target_fraction:g} × the best final one in the point)"
+    )
+
+
+def _quality(task: str, rows: pd.DataFrame, tuned: Tuned | None) -> tuple[pd.DataFrame, str, str, str, bool]:
+    """What a task's quality plot and Pareto front read: (frame, column, name, file, lower is better), from
+    the comparison's rows or, where rates were tuned, the tuned table's test figures."""
+    if task == CAUSAL_LM:
+        if tuned is not None:
+            return tuned.table, "test perplexity", "test perplexity", "perplexity_vs_peak.png", True
+        return rows, "eval perplexity", "eval perplexity", "perplexity_vs_peak.png", True
+    if tuned is not None:
+        label = METRIC_LABELS[tuned.metric]
+        return tuned.table, f"test {label} [0-1]", f"test {label}", "f1_vs_peak.png", False
+    return rows, "eval F1 [0-1]", "eval F1", "f1_vs_peak.png", False
+
+
+def _legend(tasks: list[str], tuned: dict) -> pd.DataFrame:
+    """The page's column legend: the entries of the tasks it holds, and of each tuned table (a language model's
+    entries marked as such where a classifier's tuned table is there too)."""
+    other = {c for t, cs in TASK_LEGEND.items() if t not in tasks for c in cs}
+    rows = [(column, meaning) for column, meaning in LEGEND.items() if column not in other]
+    if CLASSIFICATION in tuned:
+        rows += list(TUNED_LEGEND.items())
+    if CAUSAL_LM in tuned:
+        lm = {k: v for k, v in TUNED_LEGEND.items() if k in ("rates tried", "edge")}
+        lm |= TUNED_LEGEND_LM
+        lm |= {
+            k: v for k, v in TUNED_LEGEND.items() if k in ("p (Welch), n vs baseline", "state / peak [MB]")
+        }
+        mark = " (language model)" if CLASSIFICATION in tuned else ""
+        seen = {column for column, _ in rows}
+        rows += [(k + (mark if k in seen else ""), v) for k, v in lm.items()]
+    return pd.DataFrame(rows, columns=["column", "meaning"])
+
+
 def write_report(
     out: Path,
     title: str,
@@ -188,17 +290,19 @@ def write_report(
     baseline: str = BASELINE,
     fits: pd.DataFrame | None = None,
     plans: pd.DataFrame | None = None,
-    tuned: Tuned | None = None,
+    tuned: Tuned | list[Tuned] | None = None,
 ) -> None:
     """report.md, report.html, runs.csv, comparison.csv (tuned.csv, fits.csv, plan.csv) and the PNG plots,
-    into `out`."""
+    into `out`. Where a language model is among the rows, the comparison (and the tuned table) comes as one
+    table per task; `tuned`: one Tuned, or one per task."""
     out.mkdir(parents=True, exist_ok=True)
+    tuned_of = _tuned_by_task(tuned)
     jobs.to_csv(out / "runs.csv", index=False)
     # the table's words as the console and the page show them: `optimizer`, `batch size [samples]` ...
     table.rename(columns=KEY_LABELS).to_csv(out / "comparison.csv", index=False)
     (out / "tuned.csv").unlink(missing_ok=True)
-    if tuned is not None:
-        tuned.table.to_csv(out / "tuned.csv", index=False)
+    if tuned_of:
+        tuned_csv(tuned).to_csv(out / "tuned.csv", index=False)
     fits = pd.DataFrame() if fits is None else fits
     (out / "fits.csv").unlink(missing_ok=True)
     if len(fits):
@@ -207,22 +311,64 @@ def write_report(
     (out / "plan.csv").unlink(missing_ok=True)
     if len(plans):
         plans.to_csv(out / "plan.csv", index=False)
-    for stale in [*PLOTS, *TUNED_PLOTS]:
+    for stale in [*PLOTS, *TUNED_PLOTS, *LM_TUNED_PLOTS]:
         (out / stale).unlink(missing_ok=True)
     captions = dict(PLOTS)
-    # with tuned rates, quality is compared at each optimizer's best rate: the F1 picture uses those points
-    quality, y, name = table, "eval F1 [0-1]", "eval F1"
-    if tuned is not None:
-        label = QUALITY_METRICS[tuned.metric]
-        captions |= {file: caption.format(label) for file, caption in TUNED_PLOTS.items()}
-        captions["f1_vs_peak.png"] = TUNED_F1_CAPTION.format(label, label)
-        quality, y, name = tuned.table, f"test {label} [0-1]", f"test {label}"
+    # one part per task where a language model is among the rows (each with its own quality columns)
+    titled = has_lm(table)
+    parts = by_task(table) if titled else [(CLASSIFICATION, table)]
+    colors = _colors(_optimizer_order(table.optim, baseline)) if not table.empty else {}
+    sections = []
+    for task, rows in parts:
+        task_tuned = tuned_of.get(task)
+        if task_tuned is not None and task == CAUSAL_LM:
+            captions |= LM_TUNED_PLOTS
+            captions["perplexity_vs_peak.png"] = TUNED_PERPLEXITY_CAPTION
+        elif task_tuned is not None:
+            label = METRIC_LABELS[task_tuned.metric]
+            captions |= {file: caption.format(label) for file, caption in TUNED_PLOTS.items()}
+            captions["f1_vs_peak.png"] = TUNED_F1_CAPTION.format(label, label)
+        # with tuned rates, quality is compared at each optimizer's best rate: the quality picture uses those
+        quality, y, name, file, lower = _quality(task, rows, task_tuned)
+        if not rows.empty and y in quality and quality[y].notna().any():
+            plot_f1_peak(quality, colors, out / file, y, name, lower)
+        if not rows.empty and task_tuned is not None:
+            lm = task == CAUSAL_LM
+            label = METRIC_LABELS[task_tuned.metric]
+            files = (
+                ("val_loss_vs_lr.png", "val_loss_curves.png") if lm else ("val_vs_lr.png", "val_curves.png")
+            )
+            plot_val_vs_lr(task_tuned.rates, colors, out / files[0], label)
+            if not task_tuned.curves.empty:
+                plot_val_curves(task_tuned.curves, colors, out / files[1], label)
+        front = "none"
+        if not quality.empty and y in quality:
+            labels = _labels(quality, ["optim", *point_columns(quality)])
+            front = ", ".join(labels[pareto_front(quality, y=y, lower=lower)]) or "none"
+        better = name if task_tuned is not None else "perplexity" if task == CAUSAL_LM else "F1"
+        whose = f", {TASKS[task]}" if titled else ""
+        front = (
+            f"Pareto front{whose} (no other point has less peak memory and a {'lower' if lower else 'higher'} "
+            f"{better}): {front}."
+        )
+        lead, shared = decision_table(rows) if len(rows) else (pd.DataFrame(), "")
+        sections.append(
+            Section(
+                task,
+                "Comparison" + (f": {task_title(task)}" if titled else ""),
+                lead,
+                shared,
+                format_table(rows),
+                collapsed_note(rows) if len(rows) else None,
+                task_tuned,
+                format_tuned(task_tuned.table) if task_tuned is not None else pd.DataFrame(),
+                _tuned_note(task_tuned, baseline) if task_tuned is not None else "",
+                front,
+            )
+        )
     if not table.empty:
-        colors = _colors(_optimizer_order(table.optim, baseline))
         plot_state(table, colors, out / "state_mb.png")
         plot_peak(table, colors, out / "peak_memory.png")
-        if quality[y].notna().any():
-            plot_f1_peak(quality, colors, out / "f1_vs_peak.png", y, name)
         if not history.empty:
             plot_losses(history, jobs, colors, out / "train_loss.png")
         if table["throughput [tokens/s]"].notna().any():
@@ -231,36 +377,11 @@ def write_report(
             steps = jobs.reindex(columns=["peak_breakdown"]).peak_breakdown.dropna()
             step = next((t for t in steps if str(t).startswith("step ")), "profiled step")
             plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png", step)
-        if tuned is not None:
-            plot_val_vs_lr(tuned.rates, colors, out / "val_vs_lr.png", label)
-            if not tuned.curves.empty:
-                plot_val_curves(tuned.curves, colors, out / "val_curves.png", label)
     plots = {file: caption for file, caption in captions.items() if (out / file).exists()}
-    shown, failed = format_table(table), failed_table(jobs)
-    lead, shared = decision_table(table) if len(table) else (pd.DataFrame(), "")
-    marked = collapsed_note(table) if len(table) else None
+    failed = failed_table(jobs)
     details_title = "All columns"
-    front = "none"
-    if not quality.empty:
-        labels = _labels(quality, ["optim", *point_columns(quality)])
-        front = ", ".join(labels[pareto_front(quality, y=y)]) or "none"
-    higher = name if tuned is not None else "F1"
-    front = f"Pareto front (no other point has less peak memory and a higher {higher}): {front}."
-    legend = pd.DataFrame(
-        {**LEGEND, **(TUNED_LEGEND if tuned is not None else {})}.items(), columns=["column", "meaning"]
-    )
+    legend = _legend([task for task, _ in parts], tuned_of)
     tuned_title = "Tuned learning rate"
-    tuned_shown, tuned_note = pd.DataFrame(), ""
-    if tuned is not None:
-        tuned_shown = format_tuned(tuned.table)
-        tuned_note = (
-            f"(each optimizer at the learning rate with the highest mean validation {label} over seeds "
-            f"(`val_{tuned.metric}`, validation split carved out of the training data); test figures on the "
-            f"held-out test split (`eval_*`), mean ± sample std; Δ and p against `{baseline}` at its own "
-            f"best rate, p = Welch's two-sided t-test over seeds; edge: the best rate is the lowest or highest "
-            f"tried, widen the grid there; steps to target: the first evaluation step at which the mean "
-            f"validation {label} reaches {tuned.target_fraction:g} × the best final one in the point)"
-        )
 
     fit_title = "Largest batch that fits in " + (
         " / ".join(f"{_fmt(b)} MB" for b in fits["budget [MB]"].unique()) if len(fits) else "the budget"
@@ -276,19 +397,21 @@ def write_report(
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]
         md += [*[f"**Verdict**: {line}" for line in plan_verdict(plans)], ""]
-    md += ["## Comparison", "", _markdown(lead) if len(lead) else "No finished training jobs.", ""]
-    md += [marked, ""] if marked else []
-    if len(shown):
-        md += [f"({shared})", ""] if shared else []
-        md += [f"### {details_title}", "", _markdown(shown), ""]
-    if len(tuned_shown):
-        md += [f"## {tuned_title}", "", tuned_note, "", _markdown(tuned_shown), ""]
+    for s in sections:
+        md += [f"## {s.heading}", "", _markdown(s.lead) if len(s.lead) else "No finished training jobs.", ""]
+        md += [s.marked, ""] if s.marked else []
+        if len(s.shown):
+            md += [f"({s.shared})", ""] if s.shared else []
+            md += [f"### {details_title}", "", _markdown(s.shown), ""]
+        if len(s.tuned_shown):
+            heading = tuned_title + (f": {task_title(s.task)}" if titled else "")
+            md += [f"## {heading}", "", s.tuned_note, "", _markdown(s.tuned_shown), ""]
     if len(fits):
         md += [f"## {fit_title}", "", fit_note, "", _markdown(_plain(fits)), ""]
     md += ["## Failed jobs", ""]
     md += [_markdown(failed) if len(failed) else "None.", "", "## Plots", ""]
     md += [f"![{caption}]({name})\n\n*{caption}*\n" for name, caption in plots.items()]
-    md += [front, ""]
+    md += [line for s in sections for line in (s.front, "")]
     md += ["## Columns", "", _markdown(legend), ""]
     (out / "report.md").write_text("\n".join(md))
 
@@ -308,15 +431,21 @@ def write_report(
 
     items = "".join(f"<li>{code(line)}</li>" for line in about)
     verdict_html = "<ul>" + "".join(f"<li>{code(line)}</li>" for line in plan_verdict(plans)) + "</ul>"
-    details_html = f"<p>{code(marked)}</p>" if marked else ""
-    if len(shown):  # every column, one click away (a wide table: it scrolls, the page does not)
-        details_html += f"<p>{html.escape(f'({shared})')}</p>" if shared else ""
-        details_html += f"<details><summary>{details_title} ({len(shown.columns)})</summary>"
-        details_html += f'<div class="wide">{table_html(shown)}</div></details>'
-    tuned_html = ""
-    if len(tuned_shown):
-        tuned_html = f"\n<h2>{tuned_title}</h2><p>{code(tuned_note)}</p>"
-        tuned_html += f'<div class="wide">{table_html(tuned_shown)}</div>'
+    comparison_html = ""
+    for s in sections:
+        comparison_html += (
+            f"<h2>{html.escape(s.heading)}</h2>{table_html(s.lead, 'No finished training jobs.')}"
+        )
+        comparison_html += f"<p>{code(s.marked)}</p>" if s.marked else ""
+        if len(s.shown):  # every column, one click away (a wide table: it scrolls, the page does not)
+            comparison_html += f"<p>{html.escape(f'({s.shared})')}</p>" if s.shared else ""
+            comparison_html += f"<details><summary>{details_title} ({len(s.shown.columns)})</summary>"
+            comparison_html += f'<div class="wide">{table_html(s.shown)}</div></details>'
+        if len(s.tuned_shown):
+            heading = tuned_title + (f": {task_title(s.task)}" if titled else "")
+            comparison_html += f"\n<h2>{html.escape(heading)}</h2><p>{code(s.tuned_note)}</p>"
+            comparison_html += f'<div class="wide">{table_html(s.tuned_shown)}</div>'
+    fronts = "".join(f"<p>{html.escape(s.front)}</p>" for s in sections)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -337,11 +466,11 @@ summary {{ cursor: pointer; color: #1f4e99; margin-bottom: 0.5em; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1><ul>{items}</ul>
 {f"<h2>{plan_title}</h2><p>{plan_note}</p>{table_html(plan_display(plans))}{verdict_html}" if len(plans) else ""}
-<h2>Comparison</h2>{table_html(lead, "No finished training jobs.")}{details_html}{tuned_html}
+{comparison_html}
 {f"<h2>{html.escape(fit_title)}</h2><p>{fit_note}</p>{table_html(_plain(fits))}" if len(fits) else ""}
 <h2>Failed jobs</h2>{table_html(failed, "None.", "text")}
 <h2>Plots</h2>{"".join(image(name) for name in plots)}
-<p>{html.escape(front)}</p>
+{fronts}
 <h2>Columns</h2>{table_html(legend, css="text")}
 </body></html>
 """
@@ -351,17 +480,29 @@ summary {{ cursor: pointer; color: #1f4e99; margin-bottom: 0.5em; }}
 def console_text(out: Path, table: pd.DataFrame) -> str:
     """What a sweep and `make report` print: the short table, the tuned one when rates were tuned, and the
     largest batches when searched."""
-    text = console_table(table) if len(table) else "no finished training jobs"
-    text += f"\n{collapsed_note(table).replace('`', '')}" if len(table) and collapsed_note(table) else ""
     jobs = pd.read_csv(out / "runs.csv") if len(table) and (out / "runs.csv").exists() else None
     note = f1_note(jobs) if jobs is not None else None
-    text += f"\n({note.replace('`', '')})" if note else ""
+    blocks = []
+    for task, rows in by_task(table) if has_lm(table) else [(CLASSIFICATION, table)]:
+        # a language model among the rows: one table per task, headed by it (the task column said there)
+        block = f"{task_title(task)}:\n{console_table(rows.drop(columns='task'))}" if has_lm(table) else ""
+        block = block or console_table(rows)
+        marked = collapsed_note(rows)  # a classifier's notes under its own table
+        block += f"\n{marked.replace('`', '')}" if marked else ""
+        block += f"\n({note.replace('`', '')})" if note and task == CLASSIFICATION else ""
+        blocks.append(block)
+    text = "\n\n".join(blocks) if len(table) else "no finished training jobs"
     off = off_reference(jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]) if jobs is not None else None
     text += f"\n{off}" if off else ""
     if (out / "tuned.csv").exists():
         tuned = pd.read_csv(out / "tuned.csv")
         text += "\n\ntuned learning rate (each optimizer at its best validation rate; test split):\n"
-        text += tuned_console(tuned)
+        text += "\n\n".join(
+            f"{task_title(task)}:\n{tuned_console(rows.drop(columns='task'))}"
+            if "task" in rows
+            else tuned_console(rows)
+            for task, rows in tuned_parts(tuned)
+        )
     if (out / "plan.csv").exists():
         plans = pd.read_csv(out / "plan.csv")
         text = ("" if len(table) else "plan:\n") + plan_console(plans) + ("\n\n" + text if len(table) else "")
@@ -369,6 +510,24 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
         fits = "largest batch that fits:\n" + _plain(pd.read_csv(out / "fits.csv")).to_string(index=False)
         text = text + "\n\n" + fits if len(table) else fits
     return text
+
+
+def tuned_parts(tuned: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """tuned.csv read back, task by task: each task's rows without the figures of the other task's metric
+    (those of a classifier's rows: `val macro-F1 [0-1]`, `test F1 [0-1]`, ...; a language model's: `val loss
+    [nats]`, `test perplexity`, ...), which are empty on its rows."""
+    if "task" not in tuned:
+        return [(CLASSIFICATION, tuned)]
+    parts = []
+    for task in tasks_in(tuned):
+        rows = tuned[task_of(tuned).eq(task)].reset_index(drop=True)
+        named = [
+            c
+            for c in rows
+            if c.startswith(("val ", "test ", "Δ test ", "target [")) or c == "collapsed [runs]"
+        ]
+        parts.append((task, rows.drop(columns=[c for c in named if rows[c].isna().all()])))
+    return parts
 
 
 def outputs_of(uri: str, parents: pd.DataFrame | None) -> Path:
@@ -403,8 +562,9 @@ def build(
 ) -> tuple[Path, pd.DataFrame]:
     """Read the runs, write the report to `out` (default root/<sweep folder>, folder_names; root: outputs_of),
     titled by the sweeps' names; the folder and the table. `runs`: run ids to report on their own, instead of
-    sweeps. `quality_metric` (macro_f1, f1, accuracy) picks each optimizer's rate where rates were tuned, and
-    `target_fraction` sets the steps-to-target target; `status`: the sweep's final status, from a caller that
+    sweeps. `quality_metric` (macro_f1, f1, accuracy) picks each classifier's rate where rates were tuned (a
+    language model's: the lowest `val_loss`, whatever is asked), and `target_fraction` sets the steps-to-target
+    target; `status`: the sweep's final status, from a caller that
     builds the report before closing the sweep's parent run (sweep_status). Each point counts once
     (one_per_point)."""
     parents = None if whole_experiment or runs else find_sweeps(uri, sweeps, experiment)
@@ -423,15 +583,25 @@ def build(
     about = _about(uri, parents, jobs, baseline, status)
     pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))
     notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), *variant_notes(training)]
-    notes += [rate_note(training, quality_metric), off_reference(training)]
+    tasks, tuned = tasks_in(training), []
+    for task in tasks:  # each task's rates picked by its own metric: a language model's by its lowest loss
+        rows = training[task_of(training).eq(task)]
+        metric = (
+            LM_METRIC
+            if task == CAUSAL_LM
+            else quality_metric
+            if quality_metric in QUALITY_METRICS
+            else QUALITY
+        )
+        note = rate_note(rows, metric)
+        notes.append(f"{TASKS[task]}: {note}" if note and len(tasks) > 1 else note)
+        validation = validation_history(uri, rows, f"val_{metric}") if is_tuned(rows) else None
+        found = tuned_section(rows, validation, metric, baseline, target_fraction)
+        if found is not None and len(found.table):  # no optimizer with a validated rate: no section
+            tuned.append(found)
+    notes.append(off_reference(training))
     about += [note for note in notes if note]
     history = loss_history(uri, jobs)
-    validation = None
-    if is_tuned(training):
-        validation = validation_history(uri, training, f"val_{quality_metric}")
-    tuned = tuned_section(training, validation, quality_metric, baseline, target_fraction)
-    if tuned is not None and not len(tuned.table):  # no optimizer with a validated rate: no section
-        tuned = None
     fits, plans = fit_table(jobs, baseline), plan_table(jobs, baseline)
     write_report(out, title, about, jobs, table, history, baseline, fits, plans, tuned)
     return out, table

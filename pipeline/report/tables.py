@@ -7,6 +7,8 @@ import pandas as pd
 
 from pipeline.report.columns import (
     BASELINE,
+    CAUSAL_LM,
+    CLASSIFICATION,
     COLLAPSED,
     COLUMNS,
     CONSOLE,
@@ -23,19 +25,64 @@ from pipeline.report.columns import (
     PLAN_KEYS,
     RATES,
     SEEDS,
+    TASK_COLUMNS,
+    TASKS,
     VARIANTS,
 )
 
 
+def task_of(jobs: pd.DataFrame) -> pd.Series:
+    """Each row's task (param `task`): a run without the param is a classifier's."""
+    if "task" not in jobs:
+        return pd.Series(CLASSIFICATION, index=jobs.index, dtype=object)
+    return jobs["task"].astype(object).where(jobs["task"].notna(), CLASSIFICATION)
+
+
+def has_lm(jobs: pd.DataFrame) -> bool:
+    """Whether some row is a language model's (task=causal_lm): its tables then carry the task."""
+    return bool(task_of(jobs).eq(CAUSAL_LM).any())
+
+
+def with_task(jobs: pd.DataFrame) -> pd.DataFrame:
+    """`jobs` with every row's task filled in, where some row is a language model's (else as they are)."""
+    return jobs.assign(task=task_of(jobs)) if has_lm(jobs) else jobs
+
+
+def tasks_in(frame: pd.DataFrame) -> list[str]:
+    """The tasks of a frame's rows, in the report's order (classification first)."""
+    found = set(task_of(frame))
+    return [t for t in TASKS if t in found] + sorted(found - set(TASKS))
+
+
+def by_task(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """The frame's rows task by task (classification first), each without the columns of the other tasks'
+    quality (and their std): one table per task, with no column its rows cannot fill."""
+    tasks = task_of(frame)
+    parts = []
+    for task in tasks_in(frame):
+        other = [c for t, cs in TASK_COLUMNS.items() if t != task for c in cs]
+        other += [COLLAPSED] if task == CAUSAL_LM else []
+        drop = [c for c in frame if c in other or c.removesuffix(" std") in other]
+        parts.append((task, frame[tasks.eq(task)].drop(columns=drop).reset_index(drop=True)))
+    return parts
+
+
+def task_title(task: str) -> str:
+    """A task's table heading: `language model (task=causal_lm)`."""
+    return f"{TASKS.get(task, task)} (task={task})"
+
+
 def point_columns(jobs: pd.DataFrame) -> list[str]:
-    """What makes a comparison row besides the optimizer: the group, plus any other setting the jobs vary.
-    A learning rate counts only where one optimizer ran at several: optimizers each at their own reference
-    rate are still compared in one row each."""
+    """What makes a comparison row besides the optimizer: the task where some row is a language model's, the
+    group, plus any other setting the jobs vary. A learning rate counts only where one optimizer ran at
+    several: optimizers each at their own reference rate are still compared in one row each."""
+    jobs = with_task(jobs)
+    lead = ["task"] if "task" in jobs and has_lm(jobs) else []
     varied = [c for c in OTHER_SETTINGS if c in jobs and jobs[c].nunique(dropna=False) > 1]
     # the rest of the point and the optimizer: does the rate vary within them, or only between optimizers?
-    keys = [c for c in [*GROUP, *varied, "optim"] if c in jobs and c not in RATES]
+    keys = [c for c in [*lead, *GROUP, *varied, "optim"] if c in jobs and c not in RATES]
     within = lambda c: jobs.groupby(keys, dropna=False)[c].nunique(dropna=False).gt(1).any()  # noqa: E731
-    return GROUP + [c for c in varied if c not in RATES or not keys or within(c)]
+    return lead + GROUP + [c for c in varied if c not in RATES or not keys or within(c)]
 
 
 def _optimizer_order(optims, baseline: str) -> list[str]:
@@ -45,7 +92,7 @@ def _optimizer_order(optims, baseline: str) -> list[str]:
 def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     """The comparison table as numbers: one row per point, seeds aggregated; `<col> std` beside each mean."""
     columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim"]))  # a key no job logged stays empty
-    done = jobs[jobs.status == "FINISHED"].reindex(columns=columns)
+    done = with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns))
     keys = point_columns(done) + ["optim"]
     values = done.reindex(columns=list(COLUMNS.values())).astype(float)
     values.columns = list(COLUMNS)
@@ -87,8 +134,21 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         variant = done[keys].assign(variant=label).groupby(keys, dropna=False).variant.first()
         table = table.merge(variant.reset_index(), on=keys, how="left")
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
+    if "task" in keys:  # classification's rows first, then the language model's
+        table["task"] = pd.Categorical(table.task, tasks_in(table))
     table = table.sort_values(by, ignore_index=True)
     table["optim"] = table.optim.astype(str)
+    if "task" in keys:
+        table["task"] = table.task.astype(str)
+    # the quality columns of the tasks the table holds: a classifier's table has no perplexity, a language
+    # model's no F1 (and no row of it can collapse to one class)
+    present = tasks_in(table) or [CLASSIFICATION]
+    absent = [c for t in TASK_COLUMNS if t not in present for c in TASK_COLUMNS[t]]
+    table = table.drop(columns=[*absent, *[f"{c} std" for c in absent]])
+    if present == [CAUSAL_LM]:
+        table = table.drop(columns=COLLAPSED)
+    elif "task" in keys:
+        table[COLLAPSED] = table[COLLAPSED].where(table.task.ne(CAUSAL_LM))
     order = [
         *keys,
         *rate,
@@ -105,10 +165,13 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     return table[[c for column in order for c in (column, f"{column} std") if c in table]]
 
 
-def pareto_front(table: pd.DataFrame, x: str = "peak [MB]", y: str = "eval F1 [0-1]") -> pd.Series:
-    """Rows no other row beats: none has x <= and y >= with one of them strict (less memory, higher F1)."""
+def pareto_front(
+    table: pd.DataFrame, x: str = "peak [MB]", y: str = "eval F1 [0-1]", lower: bool = False
+) -> pd.Series:
+    """Rows no other row beats: none has x <= and y >= with one of them strict (less memory, higher F1);
+    `lower`: y is better when lower (a language model's perplexity or loss), none has y <= instead."""
     points = table.dropna(subset=[x, y])
-    px, py = points[x].to_numpy(), points[y].to_numpy()
+    px, py = points[x].to_numpy(), points[y].to_numpy() * (-1 if lower else 1)
     # [i, j]: row j is at least as good as row i on both and better on one
     beats = (px <= px[:, None]) & (py >= py[:, None]) & ((px < px[:, None]) | (py > py[:, None]))
     return pd.Series(~beats.any(axis=1), index=points.index).reindex(table.index, fill_value=False)
@@ -136,7 +199,7 @@ def _fmt(value, spec: str = ".4g") -> str:
 def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     """Strings for people: 4 significant digits, ± std (2 digits) where there is a std, empty where nothing
     was measured."""
-    keys = [c for c in table if c in GROUP + OTHER_SETTINGS + ["optim"]]
+    keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim"]]
     out = table[keys].rename(columns=KEY_LABELS)
     if "variant" in table:  # the Trainer's variant beside the optimizer: `adamw_8bit (Trainer: ...)`
         optimizer = KEY_LABELS["optim"]
@@ -162,8 +225,10 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
             else ".4g"
         )
         std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
+        # a perplexity in the thousands as a whole number (30,295), not 3.03e+04
+        shown = _readable if "perplexity" in column else lambda m, spec=spec: _fmt(m, spec)
         out[column] = [
-            _fmt(m, spec) + (f" ± {_fmt(s, '.2g')}" if pd.notna(s) else "")
+            shown(m) + (f" ± {_fmt(s, '.2g')}" if pd.notna(s) else "")
             for m, s in zip(table[column], std, strict=True)
         ]
     return out
@@ -425,8 +490,15 @@ def plan_console(plans: pd.DataFrame) -> str:
 
 
 def console_table(table: pd.DataFrame) -> str:
-    """The short table printed at the end of a sweep."""
-    return format_table(table, [c for c in CONSOLE if c in table]).to_string(index=False)
+    """The short table printed at the end of a sweep; where a language model is among the rows, one table per
+    task, each headed by it (`language model (task=causal_lm):`) and with its own quality columns."""
+    if not has_lm(table):
+        return format_table(table, [c for c in CONSOLE if c in table]).to_string(index=False)
+    return "\n\n".join(
+        f"{task_title(task)}:\n"
+        + format_table(rows, [c for c in CONSOLE if c in rows]).to_string(index=False)
+        for task, rows in by_task(table)
+    )
 
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:

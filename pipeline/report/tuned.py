@@ -21,14 +21,18 @@ from pipeline.report.columns import (
     BASELINE,
     GROUP,
     KEY_LABELS,
+    LOWER_IS_BETTER,
+    METRIC_LABELS,
+    METRIC_UNITS,
     QUALITY,
-    QUALITY_METRICS,
     RATES,
     SEEDS,
     TARGET_FRACTION,
+    TUNED_TESTS,
     UNTUNED_NOTE,
+    UNTUNED_NOTE_LM,
 )
-from pipeline.report.tables import _optimizer_order, format_table, point_columns
+from pipeline.report.tables import _optimizer_order, format_table, point_columns, with_task
 
 # a mean over seeds that equals the target up to rounding reaches it
 TOLERANCE = 1e-12
@@ -38,8 +42,8 @@ NOT_LEARNED = "no rate learned at this budget"  # the best lr of an optimizer wh
 class Tuned(NamedTuple):
     """The section's frames: `table` one row per (point, optimizer) at its best rate; `rates` the validation
     metric per rate tried (plot against the rate); `curves` the validation series, mean over seeds, at each
-    best rate (plot over steps); `metric` the quality metric (a QUALITY_METRICS key); `target_fraction` the
-    steps-to-target share."""
+    best rate (plot over steps); `metric` the metric that picked the rates (a METRIC_LABELS key);
+    `target_fraction` the steps-to-target share."""
 
     table: pd.DataFrame
     rates: pd.DataFrame
@@ -51,7 +55,7 @@ class Tuned(NamedTuple):
 def _finished(jobs: pd.DataFrame) -> pd.DataFrame:
     """Finished jobs with every column the section reads (empty where not logged); collapsed as a bool."""
     columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim", *RATES, "collapsed"]))
-    done = jobs[jobs.status == "FINISHED"].reindex(columns=columns)
+    done = with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns))
     # an empty column as float NaN, as grouping gives it back, so that the frames merge on it
     empty = [c for c in done if done[c].isna().all() and not pd.api.types.is_datetime64_any_dtype(done[c])]
     done[empty] = done[empty].astype(float)
@@ -76,18 +80,21 @@ def is_tuned(jobs: pd.DataFrame) -> bool:
 
 
 def rate_note(jobs: pd.DataFrame, metric: str = QUALITY) -> str | None:
-    """The preamble's line on how fair the quality comparison is; None without finished jobs."""
+    """The preamble's line on how fair the quality comparison is; None without finished jobs. `metric`: the
+    one that picks a rate (a language model's: `loss`, the lowest)."""
     if not (jobs.status == "FINISHED").any():
         return None
+    lower = metric in LOWER_IS_BETTER
     if not is_tuned(jobs):
-        return UNTUNED_NOTE
+        return UNTUNED_NOTE_LM if lower else UNTUNED_NOTE
     if _values(jobs, f"val_{metric}").isna().all():
         return (
             f"several learning rates per optimizer, but no validation metric (`val_{metric}`) was logged: "
             "no rate is chosen (the test split must not pick it); see docs/tuning.md for the tuned protocol"
         )
     return (
-        f"learning rates tuned: each optimizer at the rate with the best mean `val_{metric}` over seeds "
+        f"learning rates tuned: each optimizer at the rate with the {'lowest' if lower else 'best'} mean "
+        f"`val_{metric}` over seeds "
         "(validation split, carved out of the training data), compared on the held-out test split "
         "(`eval_*`); see the section Tuned learning rate"
     )
@@ -146,17 +153,19 @@ def _sorted(frame: pd.DataFrame, keys: list[str], baseline: str = BASELINE) -> p
     return frame.assign(optim=frame.optim.astype(str))
 
 
-def select_best(rates: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Per (point, optimizer) in `keys`: the rate with the highest mean validation value over seeds, among
-    the rates without a collapsed run (a run that predicts one class can still score a fair mean on a skewed
-    split); ties go to the smaller rate. Beside it: the rates tried (text), `edge`: "lowest" / "highest" when
+def select_best(rates: pd.DataFrame, keys: list[str], lower: bool = False) -> pd.DataFrame:
+    """Per (point, optimizer) in `keys`: the rate with the highest mean validation value over seeds (`lower`:
+    the lowest, a loss), among the rates without a collapsed run (a run that predicts one class can still
+    score a fair mean on a skewed split); ties go to the smaller rate. Beside it: the rates tried (text),
+    `edge`: "lowest" / "highest" when
     the best is at that end of two or more rates (the optimum may lie outside the grid), `collapsed_runs`
     over all rates and `learned`: whether some rate had no collapsed run. A (point, optimizer) with no such
     rate, or no validation value, has no best."""
     rates = rates.sort_values([*keys, "lr"], ignore_index=True)
     scored = rates[rates["mean"].notna()].assign(clean=lambda f: f.collapsed.eq(0))
     candidates = scored[scored.clean]
-    best = candidates.loc[candidates.groupby(keys, dropna=False)["mean"].idxmax()]
+    means = candidates.groupby(keys, dropna=False)["mean"]
+    best = candidates.loc[means.idxmin() if lower else means.idxmax()]
     grid = rates.groupby(keys, dropna=False).agg(
         tried=("lr", lambda lr: ", ".join(f"{r:g}" for r in sorted(lr.dropna().unique()))),
         low=("lr", "min"),
@@ -216,10 +225,13 @@ def mean_curves(history: pd.DataFrame, runs: pd.DataFrame, keys: list[str]) -> p
     return curves.rename(columns={"count": "n"}).reset_index()
 
 
-def steps_to_target(curves: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Per (`keys`) with a series: the first step whose mean over seeds reaches the row's `target` (NaN
-    when none does) and `reached`."""
-    hit = curves.step.where(curves["mean"] >= curves.target - TOLERANCE)
+def steps_to_target(curves: pd.DataFrame, keys: list[str], lower: bool = False) -> pd.DataFrame:
+    """Per (`keys`) with a series: the first step whose mean over seeds reaches the row's `target` (`lower`:
+    falls to it) (NaN when none does) and `reached`."""
+    if lower:
+        hit = curves.step.where(curves["mean"] <= curves.target + TOLERANCE)
+    else:
+        hit = curves.step.where(curves["mean"] >= curves.target - TOLERANCE)
     first = curves.assign(hit=hit).groupby(keys, dropna=False).hit.min().rename("steps").reset_index()
     return first.assign(reached=first.steps.notna())
 
@@ -241,25 +253,32 @@ def tuned_section(
     target_fraction: float = TARGET_FRACTION,
 ) -> Tuned | None:
     """The tuned section of training `jobs` (history: the `val_<metric>` series, run_id, step, value), or
-    None where no optimizer ran at several rates in a point, or no validation metric was logged."""
+    None where no optimizer ran at several rates in a point, or no validation metric was logged. `metric`: a
+    classifier's QUALITY_METRICS key (the highest wins), or `loss` for a language model's jobs (the lowest
+    wins, compared on the test split's loss and perplexity)."""
     if not is_tuned(jobs) or _values(jobs, f"val_{metric}").isna().all():
         return None
-    name, val, test = QUALITY_METRICS[metric], f"val_{metric}", f"eval_{metric}"
+    lower = metric in LOWER_IS_BETTER
+    name, unit, val, test = METRIC_LABELS[metric], METRIC_UNITS[metric], f"val_{metric}", f"eval_{metric}"
     done = _finished(jobs)
     points = tuned_points(done)
     keys = [*points, "optim"]
     rates = rate_table(done, metric)
-    best = select_best(rates, keys)
+    best = select_best(rates, keys, lower)
     # the target: a share of the best final validation value among the point's optimizers, each at its best
-    best["target"] = target_fraction * best.groupby(points, dropna=False)["mean"].transform("max")
+    # rate (a loss: that best divided by the share, the value to fall to)
+    final = best.groupby(points, dropna=False)["mean"]
+    best["target"] = (
+        final.transform("min") / target_fraction if lower else target_fraction * final.transform("max")
+    )
     runs = done.merge(best[[*keys, "lr"]].dropna(subset=["lr"]), on=[*keys, "lr"])
     history = pd.DataFrame(columns=["run_id", "step", "value"]) if history is None else history
     curves = mean_curves(history, runs, keys).merge(best[[*keys, "target"]], on=keys)
-    tests = {
-        f"test {QUALITY_METRICS[m]} [0-1]": f"eval_{m}" for m in dict.fromkeys(["macro_f1", "f1", metric])
+    tests = TUNED_TESTS.get(metric) or {
+        f"test {METRIC_LABELS[m]} [0-1]": f"eval_{m}" for m in dict.fromkeys(["macro_f1", "f1", metric])
     }
     figures = {
-        f"val {name} [0-1]": val,
+        f"val {name} {unit}": val,
         **tests,
         "state [MB]": "optimizer_state_mb",
         "peak [MB]": "peak_memory_mb",
@@ -269,7 +288,7 @@ def tuned_section(
         .merge(runs.groupby(keys, dropna=False).size().rename(SEEDS).reset_index(), on=keys, how="left")
         .merge(_mean_std(runs, keys, figures), on=keys, how="left")
         .merge(against_baseline(runs, points, test, baseline), on=keys, how="left")
-        .merge(steps_to_target(curves, keys), on=keys, how="left")
+        .merge(steps_to_target(curves, keys, lower), on=keys, how="left")
     )
     table = table.rename(
         columns={
@@ -277,10 +296,10 @@ def tuned_section(
             "lr": "best lr",
             "lr_scale": "best lr scale",
             "collapsed_runs": "collapsed [runs]",
-            "delta": f"Δ test {name} [0-1]",
+            "delta": f"Δ test {name} {unit}",
             "p": "p (Welch)",
             "n_vs": "n vs baseline [seeds]",
-            "target": "target [0-1]",
+            "target": f"target {unit}",
             "steps": "steps to target [steps]",
             "reached": "target reached",
         }
@@ -288,9 +307,11 @@ def tuned_section(
     table[SEEDS] = table[SEEDS].fillna(0).astype(int)
     if table["best lr scale"].isna().all():
         table = table.drop(columns="best lr scale")
+    if lower:  # a language model's runs: no prediction of a class, nothing collapses
+        table = table.drop(columns="collapsed [runs]")
     order = [*keys, SEEDS, "rates tried", "best lr", "best lr scale", "edge", "collapsed [runs]", "learned"]
-    order += [f"val {name} [0-1]", *tests, f"Δ test {name} [0-1]", "p (Welch)", "n vs baseline [seeds]"]
-    order += ["state [MB]", "peak [MB]", "target [0-1]", "steps to target [steps]", "target reached"]
+    order += [f"val {name} {unit}", *tests, f"Δ test {name} {unit}", "p (Welch)", "n vs baseline [seeds]"]
+    order += ["state [MB]", "peak [MB]", f"target {unit}", "steps to target [steps]", "target reached"]
     table = table[[c for column in order for c in (column, f"{column} std") if c in table]]
     rates = rates.merge(best[[*keys, "lr"]].assign(best=True), on=[*keys, "lr"], how="left")
     rates["best"] = rates.best.astype("boolean").fillna(False).astype(bool)
