@@ -51,6 +51,18 @@ DISPLAY = {
 }
 SWEEP_VIEW = "sweep-"  # + parent run id: the saved view of one sweep's jobs
 METRIC_TAG, METRIC = "eval_metric", "macro_f1"  # the parent run's tag: the metric its jobs are ranked by
+# a sweep of language models (task=causal_lm) is ranked by its jobs' eval loss, lowest first, and its view
+# shows their loss, perplexity and next-token accuracy instead of a classifier's F1s (nothing collapses there)
+LM_METRIC = "loss"
+LOWER_IS_BETTER = {LM_METRIC}
+LM_METRICS = [
+    "eval_loss",
+    "eval_next_token_accuracy",
+    "eval_perplexity",
+    "optimizer_state_mb",
+    "peak_memory_mb",
+    "train_samples_per_second",
+]
 # the most runs a sweep's view lists by id (a sweep with points FINISHED before; more: only the jobs it ran),
 # within the 20,000 characters MLflow keeps of an experiment tag
 LISTED_RUNS = 300
@@ -80,6 +92,11 @@ def display_metrics(metrics: dict) -> dict:
     }
 
 
+def ranked(metric: str) -> str:
+    """How a sweep's view orders its jobs: `best eval_macro_f1 first`, `lowest eval_loss first`."""
+    return f"{'lowest' if metric in LOWER_IS_BETTER else 'best'} eval_{metric} first"
+
+
 def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     """A saved view: the run's description (state, peak and F1, with units), the key metrics and params,
     then Dataset and Duration; Source and Models (empty for these runs) left out. Every run, sorted by start
@@ -89,11 +106,16 @@ def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     One sweep's view starts with the display copies (F1, Peak MB, State MB: rounded, sortable) and the tag
     collapsed (true: a model whose F1 may look good though it predicts one class, as the description says)
     before the description, so that they are on the first screen; every run's view has none of them (a
-    sweep's own row, the parent run, carries only the exact figures)."""
+    sweep's own row, the parent run, carries only the exact figures). A sweep of language models (`metric`
+    `loss`): its jobs lowest eval_loss first, their loss, perplexity and next-token accuracy among the key
+    metrics, the copies of peak and state only (no F1, nothing collapses)."""
     description, dataset = _column("attributes", "Description"), _column("attributes", "Dataset")
+    lm = metric in LOWER_IS_BETTER
     copies = [_column("metrics", key) for key in DISPLAY] + [_column("tags", "collapsed")]
+    if lm:
+        copies = [_column("metrics", key) for key, (exact, _) in DISPLAY.items() if exact != "eval_f1"]
     shown = copies if search_filter else []
-    metrics = [_column("metrics", key) for key in METRICS]
+    metrics = [_column("metrics", key) for key in (LM_METRICS if lm and search_filter else METRICS)]
     params = [_column("params", key) for key in PARAMS]
     order = [_column("attributes", "Run Name"), *shown, description, *metrics, *params, dataset]
     # within the 940 px the table gets at 1600 px beside the sidebar and MLflow's Assistant panel (a fresh
@@ -111,6 +133,7 @@ def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     }
     if search_filter:
         state |= {"searchFilter": search_filter, "orderByKey": _column("metrics", f"eval_{metric}")}
+        state["orderByAsc"] = lm  # a loss: the lowest first
     return state
 
 
@@ -273,7 +296,7 @@ def main(argv=None) -> int:
     if latest_url:  # what a browser opens: the latest sweep's jobs and their figures, on the first screen
         metric = latest.data.tags.get(METRIC_TAG, METRIC)
         print(
-            f"latest sweep, {latest.info.run_name} (its runs, best eval_{metric} first): {latest_url}",
+            f"latest sweep, {latest.info.run_name} (its runs, {ranked(metric)}): {latest_url}",
             flush=True,
         )
         url = latest_url

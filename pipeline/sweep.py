@@ -30,8 +30,14 @@ SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1
 # overrides that say where a sweep's results go, not what it sweeps: left out of its name
 PLACE_KEYS = ("outputs_dir", "tracking.uri", "tracking.experiment", "log_level")
 NAME_CHARS = 200  # a run name's length the UI still shows whole in its tooltip (MLflow stores 250)
-# of the runs table's key metrics (browse.METRICS, the parent run's own figures), those best when smallest
-SMALLER_IS_BETTER = ("optimizer_state_mb", "peak_memory_mb")
+# of the runs table's key metrics (browse.METRICS, browse.LM_METRICS: the parent run's own figures), those best
+# when smallest
+SMALLER_IS_BETTER = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_perplexity")
+# what a sweep with language-model points says once, as it starts: its jobs' runs carry it as the tag `labels`
+LABELS_LINE = (
+    "[sweep] task=causal_lm: the data's label column is ignored; its text column is the corpus "
+    "(next-token labels)"
+)
 
 
 @dataclass
@@ -128,14 +134,20 @@ def claim_sweep_dir(config: DictConfig) -> None:
 
 
 def summary_table(runs) -> str:
-    """Short console table of a sweep's jobs (the full comparison is `make report`)."""
+    """Short console table of a sweep's jobs (the full comparison is `make report`): a language model's
+    perplexity where some job logged one, a classifier's F1 where some job logged one."""
     import pandas as pd
 
+    logged = {k for r in runs for k in r.data.metrics}
+    keys = list(SUMMARY_METRICS)
+    if "eval_perplexity" in logged:  # a language model's quality beside the loss; F1 only where logged too
+        keys.insert(keys.index("eval_loss") + 1, "eval_perplexity")
+        keys = [k for k in keys if k != "eval_f1" or k in logged]
     rows = [
         {
             "run": r.info.run_name,
             "status": r.info.status,
-            **{k: r.data.metrics.get(k) for k in SUMMARY_METRICS},
+            **{k: r.data.metrics.get(k) for k in keys},
         }
         for r in sorted(runs, key=lambda r: r.info.start_time)
     ]
@@ -144,6 +156,7 @@ def summary_table(runs) -> str:
             "optimizer_state_mb": "state [MB]",
             "peak_memory_mb": "peak [MB]",
             "eval_loss": "eval loss",
+            "eval_perplexity": "perplexity",
             "eval_f1": "eval F1",
             "train_samples_per_second": "samples/s",
         }
@@ -206,14 +219,18 @@ def count_line(runs) -> str:
 
 def best_figures(runs) -> tuple[dict, str]:
     """The parent run's own figures, so that its row in the runs table reads them: for each key metric
-    (browse.METRICS) the best value among its FINISHED training jobs, F1s only from jobs whose model did not
-    collapse (tag collapsed); and the line that names them with their optimizers, `lowest peak 312 MB
-    adafactor · best F1 0.853 adamw` (empty without such jobs)."""
+    (browse.METRICS, and a language model's browse.LM_METRICS) the best value among its FINISHED training
+    jobs, F1s only from jobs whose model did not collapse (tag collapsed); and the line that names them with
+    their optimizers, `lowest peak 312 MB adafactor · best F1 0.853 adamw` (a language model's: `best
+    perplexity 41.2 adamw`; empty without such jobs)."""
     done = [r for r in runs if r.info.status == "FINISHED" and job_kind(r) == "training"]
     learned = [r for r in done if r.data.tags.get("collapsed") != "true"]
+    # language models': their eval loss is a next-token loss, not comparable with a classifier's
+    models = [r for r in done if "eval_perplexity" in r.data.metrics]
     figures, by = {}, {}
-    for key in browse.METRICS:
-        have = [r for r in (learned if key.startswith("eval_") else done) if key in r.data.metrics]
+    for key in dict.fromkeys([*browse.METRICS, *browse.LM_METRICS]):
+        pool = models if key == "eval_loss" else learned if key.startswith("eval_") else done
+        have = [r for r in pool if key in r.data.metrics]
         if have:
             best = (min if key in SMALLER_IS_BETTER else max)(have, key=lambda r: r.data.metrics[key])
             figures[key], by[key] = best.data.metrics[key], best.data.params.get("optim", best.info.run_name)
@@ -224,6 +241,8 @@ def best_figures(runs) -> tuple[dict, str]:
         parts.append(f"best F1 {figures['eval_f1']:.3f} {by['eval_f1']}")
     elif any("eval_f1" in r.data.metrics for r in done):
         parts.append("no model learned (all collapsed)")
+    if "eval_perplexity" in figures:
+        parts.append(f"best perplexity {figures['eval_perplexity']:,.1f} {by['eval_perplexity']}")
     return figures, " · ".join(parts)
 
 
@@ -235,6 +254,25 @@ def failed_job_lines(runs) -> list[str]:
         for r in sorted(runs, key=lambda r: r.info.start_time)
         if r.info.status != "FINISHED"
     ]
+
+
+def sweep_tasks(config: DictConfig) -> list[str]:
+    """The tasks (conf/task/) the sweep's points run: those it sweeps (`task=causal_lm,classification`), else
+    the one its config composes (`task=causal_lm`, or the default)."""
+    from pipeline.fail_fast import sweep_of
+
+    sweep = sweep_of(config)
+    swept = sweep.options.get("task") if sweep is not None else None
+    return list(dict.fromkeys(swept)) if swept else [str(OmegaConf.select(config, "task.name"))]
+
+
+def sweep_metric(config: DictConfig) -> str:
+    """What the sweep's jobs are ranked by (its parent run's tag browse.METRIC_TAG, its saved view's order):
+    `loss` (eval_loss, lowest first) where every point is a language model's (task=causal_lm), else the
+    classifier's eval.metric (eval_<metric>, highest first)."""
+    if sweep_tasks(config) == ["causal_lm"]:
+        return browse.LM_METRIC
+    return OmegaConf.select(config, "eval.metric", default=browse.METRIC)
 
 
 def scheduled(config: DictConfig) -> None:
@@ -286,6 +324,7 @@ class SweepCallback(Callback):
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         overrides = " ".join(config.hydra.overrides.task)
+        metric = sweep_metric(config)
         parent = tracker.start_run(
             experiment_id,
             name=sweep_name(config.hydra.overrides.task),
@@ -295,7 +334,7 @@ class SweepCallback(Callback):
                 "overrides": overrides,
                 "kind": "sweep",
                 # what its saved view ranks its jobs by (browse.sweep_url)
-                browse.METRIC_TAG: OmegaConf.select(config, "eval.metric", default=browse.METRIC),
+                browse.METRIC_TAG: metric,
             },
         )
         ids = {
@@ -304,13 +343,15 @@ class SweepCallback(Callback):
             "parent_run_id": parent,
             # what closing the sweep later needs (`python -m pipeline.record`, when the store was away)
             "outputs_dir": str(Path(config.outputs_dir).resolve()),
-            "metric": OmegaConf.select(config, "eval.metric", default="macro_f1"),
+            "metric": metric,
         }
         write_ids(sweep_dir, ids)
         ACTIVE.update(ids, sweep_dir=str(sweep_dir), launcher=OmegaConf.select(config, "launcher.name"))
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
+        if "causal_lm" in sweep_tasks(config):  # once for the sweep, not once per job
+            print(LABELS_LINE)
         from pipeline.report import plots
 
         plots.import_matplotlib()  # for the report at the end, while the jobs' starter imports its libraries
@@ -343,7 +384,7 @@ class SweepCallback(Callback):
         RESULT.unrecorded[:] = [str(path) for path in left]
         if not left:
             try:
-                metric = OmegaConf.select(config, "eval.metric", default="macro_f1")
+                metric = ids.get("metric") or OmegaConf.select(config, "eval.metric", default="macro_f1")
                 status = close(tracker, ids, sweep_dir, Path(config.outputs_dir), metric)
                 RESULT.failed.extend(lost)  # points with no run to count them
                 # the same command again finds every point FINISHED: it starts no job starter ahead of a job
