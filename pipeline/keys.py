@@ -10,7 +10,9 @@ keys and anything the parser does not take are left to Hydra.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import re
 from pathlib import Path
 
@@ -19,13 +21,22 @@ from omegaconf import OmegaConf
 from pipeline.config import CONF_DIR, ConfigError, did_you_mean, search_dirs
 
 
-def _raw(path: Path) -> tuple[dict, str | None]:
-    """An option file's keys (without its defaults list) and its `# @package` header, if any."""
+@functools.cache
+def _parsed(path: Path) -> tuple[dict, str | None, list]:
+    """An option file read once per process: its keys (without its defaults list), its `# @package` header,
+    if any, and its defaults list."""
     text = path.read_text()
     header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
     raw = OmegaConf.to_container(OmegaConf.create(text), resolve=False) or {}
-    raw.pop("defaults", None)
-    return raw, header[1] if header else None
+    defaults = raw.pop("defaults", None) or []
+    return raw, header[1] if header else None, defaults
+
+
+def _raw(path: Path) -> tuple[dict, str | None]:
+    """An option file's keys (without its defaults list) and its `# @package` header, if any: a copy, which
+    the caller may merge into."""
+    raw, header, _ = _parsed(path)
+    return copy.deepcopy(raw), header
 
 
 def _union(into: dict, other: dict) -> None:
@@ -41,7 +52,7 @@ def _defaults() -> tuple[dict, dict[str, str]]:
     """conf/config.yaml's own keys and the option each config group takes by default."""
     raw, _ = _raw(CONF_DIR / "config.yaml")
     chosen = {}
-    for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml")).get("defaults", []):
+    for entry in _parsed(CONF_DIR / "config.yaml")[2]:
         if isinstance(entry, dict):
             chosen.update({str(k): str(v) for k, v in entry.items()})
     return raw, chosen
@@ -56,7 +67,7 @@ def _option_keys(path: Path, group: str, dirs) -> tuple[dict, str | None]:
     """An option file's keys, with those of the options of its group its defaults list starts from (a user's
     `defaults: [custom, _self_]`), and its `# @package` header."""
     raw, package = _raw(path)
-    for entry in (OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}).get("defaults", []):
+    for entry in _parsed(path)[2]:
         base = option_file(group, entry, dirs) if isinstance(entry, str) and entry != "_self_" else None
         if base is not None and base != path:
             _union(raw, _option_keys(base, group, dirs)[0])
