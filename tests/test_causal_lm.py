@@ -17,7 +17,8 @@ from pipeline.runner import config_hash, selection_metric
 from tests.conftest import ci_sample, compose_cfg
 from tests.test_memory import FAST_STEP, build
 
-LM = ["task=causal_lm", "data.max_train_samples=64", "data.max_eval_samples=16", "train.max_steps=3"]
+LM = ["task=causal_lm", "data.max_train_samples=64", "data.max_eval_samples=16", "data.max_val_samples=16"]
+LM += ["train.max_steps=3", "batch_size=8", "train.max_length=32"]
 
 
 def test_an_encoder_as_a_language_model_is_one_line_naming_the_decoders():
