@@ -1,5 +1,6 @@
 """Optimizer-state accounting and peak-memory tracking (CUDA allocator stats, or tensor-level on CPU), and the
-breakdown of one training step's peak into parameters, gradients, optimizer state, activations and the rest."""
+breakdown of one training step's peak into parameters, gradients, optimizer state, activations, a language
+model's logits and the rest."""
 
 from __future__ import annotations
 
@@ -188,6 +189,30 @@ def allocator_fraction(budget_bytes: int, outside_bytes: int, total_bytes: int) 
     return min(1.0, max(0.0, (budget_bytes - outside_bytes) / total_bytes))
 
 
+def logits_width(model) -> int | None:
+    """The vocabulary size of a language model's head (its output embeddings: the LM head, whose output is the
+    logits, batch x sequence x vocabulary); None for a model without one (a classifier's head is no output
+    embedding)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    weight = getattr(head, "weight", None)
+    return None if weight is None else int(weight.shape[0])
+
+
+def is_logits(t: torch.Tensor, width: int | None) -> bool:
+    """Whether a tensor made in the forward or backward pass belongs to the `logits` part of the breakdown: a
+    tensor of two or more dimensions whose last one is the vocabulary (`width`, logits_width's). That is the LM
+    head's output (batch x sequence x vocabulary), its fp32 copy (transformers' causal-LM loss calls
+    `logits.float()`: a copy under bf16/fp16, the same tensor in fp32), the loss's log-softmax (saved for
+    backward) and, in backward, the gradients of these, down to the LM head's input. Nothing else a decoder
+    makes ends in the vocabulary: the head's weight gradient is vocabulary x hidden (torch's matmul backward
+    writes it in the weight's own layout), an Adafactor row statistic or a bias is one-dimensional. A storage
+    is filed by the tensor an operation makes it as, never by a later view (autocast's bf16 copy of the head's
+    weight, vocabulary x hidden, is saved for backward as its transpose and stays an activation); weights,
+    gradients and optimizer state are never logits."""
+    return width is not None and t.dim() >= 2 and t.shape[-1] == width
+
+
 class _CpuTensorPeak(TorchDispatchMode):
     """Live bytes of tensor storages created by ops inside the mode, plus a baseline of existing tensors."""
 
@@ -229,18 +254,24 @@ class _CpuTensorPeak(TorchDispatchMode):
         return out
 
 
+KINDS = ("params", "grads", "optimizer", "activations", "logits", "other")  # KindPeak's, in this order
+
+
 class KindPeak(TorchDispatchMode):
-    """Live tensor storages by kind (params, grads, optimizer, activations, other), and the kinds at the peak.
+    """Live tensor storages by kind (KINDS: params, grads, optimizer, activations, logits, other), and the kinds
+    at the peak.
 
     A lighter MemTracker for simulated steps (pipeline.plan): its cost does not grow with the number of
     modules. Weights and buffers count as params; a storage saved for backward becomes an activation; one
     that lands in a parameter's `.grad` a gradient; one kept in `optimizer.state` optimizer state (see
-    `file_state`); everything else torch makes is other (temporaries).
+    `file_state`); with `vocab` (a language model's, `logits_width`), one made as logits (`is_logits`) counts
+    as logits, saved for backward or not; everything else torch makes is other (temporaries).
     """
 
-    def __init__(self, model: torch.nn.Module, inputs=()):
+    def __init__(self, model: torch.nn.Module, inputs=(), vocab: int | None = None):
         super().__init__()
-        self.current = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
+        self.vocab = vocab
+        self.current = dict.fromkeys(KINDS, 0)
         self.at_peak = dict(self.current)
         self.peak = 0
         self.where = None  # a label for the stretch of the step now running (set by `enter`)
@@ -255,14 +286,18 @@ class KindPeak(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
+            # logits or not by the tensor a storage is made as (a weight's copy saved as its transpose is none)
+            made_as = "logits" if kind in ("activations", "other") and is_logits(t, self.vocab) else kind
             for leaf in storage_leaves(t):
                 storage = leaf.untyped_storage()
                 entry = self._kind.get(storage)
                 if entry is None:
-                    entry = self._kind[storage] = [kind, storage.nbytes()]
+                    entry = self._kind[storage] = [made_as, storage.nbytes()]
                     weakref.finalize(storage, self._release, entry)
-                    self.current[kind] += entry[1]
-                elif entry[0] != kind and (entry[0] == "other" or kind == "optimizer"):
+                    self.current[made_as] += entry[1]
+                elif entry[0] != kind and (
+                    entry[0] == "other" or kind == "optimizer" or (entry[0] == "logits" and kind == "grads")
+                ):
                     self.current[entry[0]] -= entry[1]
                     entry[0] = kind
                     self.current[kind] += entry[1]
@@ -375,9 +410,14 @@ class PeakMemory:
         return out
 
 
+# StepBreakdown's reference type of a language model's logits (is_logits), beside MemTracker's own
+LOGITS = "Logits"
+
+
 class StepBreakdown(MemTracker):
-    """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state, and what the
-    allocator holds that no tensor accounts for filed as "other".
+    """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state, a language model's
+    logits apart from the other activations and temporaries, and what the allocator holds that no tensor
+    accounts for filed as "other".
 
     MemTracker files every tensor created inside `optimizer.step()` as optimizer state; here they are
     temporaries until its post-step hook files the tensors that stay in `optimizer.state` as state.
@@ -385,13 +425,21 @@ class StepBreakdown(MemTracker):
     starts; what it holds beyond the tensors MemTracker tracks then (cuBLAS workspaces, 32 MiB per handle on
     Hopper, one for forward and one for autograd's backward thread; the batch; small tensors of the loop) is
     `untracked` and counts as "other" for the whole step.
+
+    With `vocab` (a language model's, `logits_width`), every storage the forward or backward pass makes as
+    logits (`is_logits`) is filed as LOGITS (`peak_logits_mb`) rather than as an activation or a temporary.
     """
 
-    def __init__(self, device: torch.device, allocated: Callable[[], int] | None = None):
+    def __init__(
+        self, device: torch.device, allocated: Callable[[], int] | None = None, vocab: int | None = None
+    ):
         super().__init__()
         self.device = torch.device(device)
         self._allocated = allocated
         self.untracked = 0
+        self.vocab = vocab
+        if vocab is not None:  # the snapshot's keys: MemTracker's reference types and LOGITS
+            self._ref_class = (*_MemRefType, LOGITS)
 
     def _on_device(self, snapshot) -> dict:
         return next((v for d, v in snapshot.items() if d.type == self.device.type), {})
@@ -404,7 +452,11 @@ class StepBreakdown(MemTracker):
         return self
 
     def _track(self, reftype, t: torch.Tensor) -> None:
-        super()._track(_MemRefType.TEMP if self._in_opt else reftype, t)
+        if self._in_opt:
+            reftype = _MemRefType.TEMP
+        elif reftype in (_MemRefType.ACT, _MemRefType.TEMP) and is_logits(t, self.vocab):
+            reftype = LOGITS
+        super()._track(reftype, t)
 
     def _register_global_optimizer_hook(self) -> None:
         # TrainingMemory's optimizer hooks call the two methods below: it enters this tracker from inside its
@@ -445,6 +497,7 @@ class StepBreakdown(MemTracker):
             "peak_grads_mb": part(_MemRefType.GRAD),
             "peak_optimizer_mb": part(_MemRefType.OPT),
             "peak_activations_mb": part(_MemRefType.ACT),
+            **({} if self.vocab is None else {"peak_logits_mb": part(LOGITS)}),
             "peak_other_mb": part(_MemRefType.TEMP, _MemRefType.OTH) + untracked,
             **({} if self._allocated is None else {"peak_untracked_mb": untracked}),
             "peak_breakdown_mb": part("Total") + untracked,
@@ -461,7 +514,8 @@ class TrainingMemory:
     The breakdown runs one step under `StepBreakdown`: the first step (`breakdown_step=1`) or the first one
     that starts with the optimizer state in place (`breakdown_step=2`: the step after the first optimizer
     step that ran), entered at the end of the step before it so that the model's forward hooks see the whole
-    step; `breakdown_na` says why it cannot run, when it cannot.
+    step; `breakdown_na` says why it cannot run, when it cannot. A language model's breakdown (one whose head is
+    an LM head: `logits_width`) has a `logits` part as well; a classifier's has none.
 
     A step starts with the model's forward in training mode and ends with its optimizer step, or, when the
     optimizer step never runs (the fp16 grad scaler skips a step whose gradients overflowed, and torch's
@@ -609,7 +663,7 @@ class TrainingMemory:
 
     def _start_breakdown(self) -> None:
         allocated = None if self.on_cpu else (lambda: torch.cuda.memory_allocated(self.device))
-        self.breakdown = StepBreakdown(self.device, allocated)
+        self.breakdown = StepBreakdown(self.device, allocated, logits_width(self.model))
         self.breakdown.track_external(self.model)
         if self._optimizer is not None:
             self.breakdown.track_state(self._optimizer)
