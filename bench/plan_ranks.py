@@ -109,8 +109,8 @@ def collect(model: str, world: int, work: Path, seconds: float) -> list[dict]:
 def _zero_formula(cfg, world: int) -> float:
     from pipeline import models, optimizers, plan, plan_ranks
 
-    config = models.model_config(cfg.model, num_labels=2)
-    _, model = plan.fake_model(config, cfg.train.precision, False)
+    config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
+    _, model = plan.fake_model(config, cfg.train.precision, False, cfg.task.name)
     layout = plan_ranks.Layout(model, optimizers.spec_for(cfg.optim), cfg, foreach=False)
     return plan_ranks.deepspeed_zero_mb(layout, cfg.train.sharding, world)
 

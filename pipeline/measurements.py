@@ -133,6 +133,8 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
             out |= {
                 "predicted_peak_mb": peak,
                 "predicted_activations_mb": figures["activations"],
+                # a language model's logits at the predicted peak (pipeline.memory.is_logits)
+                **({} if figures.get("logits") is None else {"predicted_logits_mb": figures["logits"]}),
                 "predicted_peak_error_pct": error,
                 "prediction_method": figures["method"],  # a tag
             }
@@ -184,6 +186,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
             "peak": found["peak"],
             "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
+            "logits": found["parts"].get("logits"),  # a language model's only
             "method": found["method"],
         }
 

@@ -108,6 +108,12 @@ def auto_class(task: str):
     }[task]
 
 
+def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
+    """The shape of a batch's labels as the collator makes them for `task`: one class per text, or one token id
+    per position (the input ids, padding -100: the next-token loss shifts them itself)."""
+    return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
+
+
 def head_kwargs(task: str, num_labels: int, label_names: list[str] | None) -> dict:
     """The config's settings for the model's head: a classifier's labels; a language model's head is its
     vocabulary."""

@@ -2,14 +2,15 @@
 tensors (torch's FakeTensorMode: shapes, dtypes and devices, no data and no memory), so a model of any size
 is planned in seconds from its architecture alone.
 
-What runs is what a job runs: the model class transformers builds from the config (its attention
-implementation, blocks, tied or untied embeddings), autocast for bf16/fp16, bf16 weights for bf16_pure,
+What runs is what a job runs: the model class the job's task builds from the config (`models.auto_class`: a
+classifier, or a decoder with its LM head for task=causal_lm, trained on labels of one token id per position),
+its attention implementation, blocks, tied or untied embeddings, autocast for bf16/fp16, bf16 weights for bf16_pure,
 gradient checkpointing, and the optimizer's own step (torch's per-tensor loop on CPU, its `foreach` loop for a
 CUDA target, as torch picks by default there). For a CUDA target, scaled dot-product attention runs the fused
 kernel torch's CUDA dispatch picks (flash or memory-efficient attention: `cuda_attention`), which saves the
 output and the logsumexp for backward, not the probabilities the CPU's math path keeps. A storage tracker
 (PyTorch's MemTracker, as the step-2 breakdown of a training job) follows every tensor's lifetime, so the
-parts are the same as a measured breakdown. An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
+parts are the same as a measured breakdown, a language model's `logits` part included (pipeline.memory.is_logits). An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
 exact analytic state and its stated step temporaries instead (tag `plan_method`).
 
     peak = max(forward/backward peak + optimizer state,  optimizer-step peak)
@@ -56,7 +57,9 @@ DEVICE_MEMORY_GB = {
     "h100-80gb": 80,
     "h200": 141,
 }
-PART_KEYS = ("params", "grads", "optimizer", "activations", "other")
+# the parts of a peak, in the order of the plan's traces (pipeline.memory.KINDS): `logits` is a language model's
+# (a classifier's is always 0 and never reported)
+PART_KEYS = ("params", "grads", "optimizer", "activations", "logits", "other")
 MAX_BATCH = 2**20  # the largest batch a plan reports
 
 
@@ -73,9 +76,12 @@ def fake_mode():
 
 
 @functools.lru_cache(maxsize=8)
-def _fake_model(config_json: str, attn: str | None, precision: str, checkpointing: bool):
-    """The model a job would train, built on fake tensors (cached: a sweep plans one model many times)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def _fake_model(config_json: str, attn: str | None, precision: str, checkpointing: bool, task: str):
+    """The model a job of `task` would train, built on fake tensors (cached: a sweep plans one model many
+    times)."""
+    from transformers import AutoConfig
+
+    from pipeline.models import auto_class
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -84,19 +90,20 @@ def _fake_model(config_json: str, attn: str | None, precision: str, checkpointin
     if precision == "bf16_pure":  # bf16 weights, no fp32 copy (built so: fake tensors cannot be cast)
         kwargs["dtype"] = torch.bfloat16
     with mode:
-        model = AutoModelForSequenceClassification.from_config(config, **kwargs)
+        model = auto_class(task).from_config(config, **kwargs)
     if checkpointing:  # as both backends turn it on
         from pipeline.backends import enable_checkpointing
 
         enable_checkpointing(model)
-    model.plan_key = (config_json, attn, precision, checkpointing)  # what the caches below are keyed by
+    model.plan_key = (config_json, attn, precision, checkpointing, task)  # what the caches below are keyed by
     return mode, model.train()
 
 
-def fake_model(model_config, precision: str, checkpointing: bool):
-    """(fake mode, model) for a transformers config (a real model's `config`, or one built from a yaml)."""
+def fake_model(model_config, precision: str, checkpointing: bool, task: str = "classification"):
+    """(fake mode, model) for a transformers config (a real model's `config`, or one built from a yaml), built
+    as a job of `task` builds it."""
     attn = getattr(model_config, "_attn_implementation", None)
-    return _fake_model(model_config.to_json_string(use_diff=False), attn, precision, checkpointing)
+    return _fake_model(model_config.to_json_string(use_diff=False), attn, precision, checkpointing, task)
 
 
 def _autocast(precision: str):
@@ -185,13 +192,16 @@ INPUT_NAMES = ("input_ids", "attention_mask")  # what a tokenizer gives at the l
 
 
 @functools.cache
-def _inputs(mode, batch: int, seq: int, names: tuple[str, ...]):
+def _inputs(mode, batch: int, seq: int, names: tuple[str, ...], task: str = "classification"):
     """A batch as the collator makes it: the tokenizer's inputs (a BERT tokenizer adds token_type_ids, which
-    GPT-2, for one, embeds with its token embedding) and the labels."""
+    GPT-2, for one, embeds with its token embedding) and the labels of `task` (`models.labels_shape`: one
+    class per text, or one token id per position)."""
+    from pipeline.models import labels_shape
+
     with mode:
         fill = {"token_type_ids": torch.zeros}
         inputs = {name: fill.get(name, torch.ones)(batch, seq, dtype=torch.long) for name in names}
-        return {**inputs, "labels": torch.zeros(batch, dtype=torch.long)}
+        return {**inputs, "labels": torch.zeros(labels_shape(task, batch, seq), dtype=torch.long)}
 
 
 _PROFILES: dict[tuple, Profile] = {}  # a sweep's plans of one model share them: no optimizer is involved
@@ -254,7 +264,7 @@ class Profile:
         return base + batch * per_sample
 
     def parts(self, batch: int) -> dict[str, float]:
-        """The parts at the peak for `batch` samples."""
+        """The parts at the peak for `batch` samples (every key of PART_KEYS)."""
         values = self.values(batch)
         return dict(zip(PART_KEYS, values[values.sum(axis=1).argmax()].tolist(), strict=True))
 
@@ -297,12 +307,12 @@ def _shallow(model_config, layers: int):
     return config
 
 
-def _shallow_pair(model_config) -> list | None:
+def _shallow_pair(model_config, task: str = "classification") -> list | None:
     """The model at SHALLOW's two depths, when it is deep enough to be extrapolated from them (else None)."""
     if model_config.num_hidden_layers <= 2 * SHALLOW[-1]:
         return None
     configs = [_shallow(model_config, n) for n in SHALLOW]
-    if None in configs or any(_stack(fake_model(c, "fp32", False)[1]) is None for c in configs):
+    if None in configs or any(_stack(fake_model(c, "fp32", False, task)[1]) is None for c in configs):
         return None
     return configs
 
@@ -375,16 +385,17 @@ def profile(
     names=INPUT_NAMES,
     store=None,
     cuda: bool = False,
+    task: str = "classification",
 ) -> Profile:
-    """The forward and backward pass's Profile for sequences of `seq` tokens (cached: a sweep's plans of one
-    model share it; in `store` too, a pipeline.cache.Store, where other processes find it), on a CUDA target
-    when `cuda` (its attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
+    """The forward and backward pass's Profile for sequences of `seq` tokens of a job of `task` (cached: a
+    sweep's plans of one model share it; in `store` too, a pipeline.cache.Store, where other processes find
+    it), on a CUDA target when `cuda` (its attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
     lines), and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's depth: four
     passes of a 2- or 3-layer model plan an 8B one."""
-    key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda)
+    key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda, task)
     if key not in _PROFILES:
-        shallow = _shallow_pair(model_config)
-        run = functools.partial(_trace, cuda=cuda)
+        shallow = _shallow_pair(model_config, task)
+        run = functools.partial(_trace, cuda=cuda, task=task)
 
         def trace_at(batch: int) -> np.ndarray:
             if shallow is None:
@@ -413,15 +424,24 @@ def _check_aligned(a: dict, b: dict, between: str) -> None:
 
 
 def _trace(
-    model_config, precision, checkpointing, batch, seq, names, stretches: bool, cuda: bool = False
+    model_config,
+    precision,
+    checkpointing,
+    batch,
+    seq,
+    names,
+    stretches: bool,
+    cuda: bool = False,
+    task: str = "classification",
 ) -> dict[str, np.ndarray]:
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
-    `cuda`, attention as a CUDA GPU runs it (`cuda_attention_in_place`)."""
-    from pipeline.memory import KindPeak
+    `cuda`, attention as a CUDA GPU runs it (`cuda_attention_in_place`). A language model's logits are a part
+    of their own (pipeline.memory.is_logits), as in a measured breakdown."""
+    from pipeline.memory import KindPeak, logits_width
 
-    mode, model = fake_model(model_config, precision, checkpointing)
-    inputs = _inputs(mode, batch, seq, names)
-    tracker = KindPeak(model, inputs.values())
+    mode, model = fake_model(model_config, precision, checkpointing, task)
+    inputs = _inputs(mode, batch, seq, names, task)
+    tracker = KindPeak(model, inputs.values(), vocab=logits_width(model))
     tracker.enter("before" if stretches else "pass")
     filed = _stretches(model, tracker) if stretches else contextlib.nullcontext()
     try:
@@ -438,7 +458,9 @@ def _trace(
         model.zero_grad(set_to_none=True)  # as the loops do after each step: the next one starts without
 
 
-def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool) -> tuple[dict | None, str]:
+def optimizer_step(
+    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str = "classification"
+) -> tuple[dict | None, str]:
     """Parts (MB) at the peak of two optimizer steps (the first creates the state) with every gradient in
     place, and how they were found; None when the step cannot run on fake tensors. A deep model's is
     extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
@@ -449,21 +471,21 @@ def optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool
     if spec.compiles_step:
         return None, "forward/backward simulated; optimizer step analytic (compiled step)"
     try:
-        shallow = _shallow_pair(model_config)
+        shallow = _shallow_pair(model_config, task)
         if shallow is None:
-            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda)
+            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task)
         else:
-            a, b = (_optimizer_step(c, precision, checkpointing, spec, cfg, cuda) for c in shallow)
+            a, b = (_optimizer_step(c, precision, checkpointing, spec, cfg, cuda, task) for c in shallow)
             at_peak = _to_depth(a, b, model_config.num_hidden_layers)
         return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
     except Exception as err:  # a kernel that needs real data (bitsandbytes)
         return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
 
 
-def _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool) -> np.ndarray:
+def _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str) -> np.ndarray:
     from pipeline.memory import KindPeak
 
-    mode, model = fake_model(model_config, precision, checkpointing)
+    mode, model = fake_model(model_config, precision, checkpointing, task)
     with mode:
         for p in model.parameters():
             if p.requires_grad:
@@ -503,6 +525,7 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
         "grads": sum(trainable) / MB,
         "optimizer": state_bytes / MB,
         "activations": 0.0,
+        "logits": 0.0,
         "other": temporaries / MB,
     }
 
@@ -510,19 +533,22 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
 def simulate(
     model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES, store=None
 ) -> dict:
-    """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens, the optimizer
-    step's own peak, the state, how the step was found, the fake model and the pass's Profile. `cuda`: for a
-    CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces); `store` (a
-    pipeline.cache.Store): where the pass and the optimizer step are kept for other processes."""
+    """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens of the job's task
+    (`cfg.task.name`), the optimizer step's own peak, the state, how the step was found, the fake model, the
+    pass's Profile and the vocabulary of its LM head (`vocab`, None for a classifier, whose parts have no
+    `logits`). `cuda`: for a CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces);
+    `store` (a pipeline.cache.Store): where the pass and the optimizer step are kept for other processes."""
     from pipeline import optimizers
+    from pipeline.memory import logits_width
 
-    precision = cfg.train.precision
+    precision, task = cfg.train.precision, cfg.task.name
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
-    _, model = fake_model(model_config, precision, checkpointing)
+    _, model = fake_model(model_config, precision, checkpointing, task)
+    vocab = logits_width(model)
     params = optimizers.param_infos(model)
     state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
-    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda)
-    fb = steps.parts(batch)
+    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task)
+    fb = reported(steps.parts(batch), vocab)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
@@ -532,12 +558,11 @@ def simulate(
     if key not in _OPTIMIZER_STEP:
 
         def step() -> list:
-            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda))
+            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task))
 
         _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
     step, method = _OPTIMIZER_STEP[key]
-    if step is None:
-        step = analytic_step(model, state * MB, spec)
+    step = reported(analytic_step(model, state * MB, spec) if step is None else step, vocab)
     # step 2's forward/backward: step 1's with the state in place
     at_fb = {**fb, "optimizer": state}
     parts = at_fb if sum(at_fb.values()) >= sum(step.values()) else step
@@ -552,7 +577,14 @@ def simulate(
         "step": step,
         "model": model,
         "profile": steps,
+        "vocab": vocab,
     }
+
+
+def reported(parts: dict[str, float], vocab: int | None) -> dict[str, float]:
+    """The parts a plan reports: a language model's (`vocab`: its LM head's) all of them, a classifier's all
+    but `logits`, which it has none of."""
+    return parts if vocab is not None else {k: v for k, v in parts.items() if k != "logits"}
 
 
 def largest_batch(prediction: dict, budget: float, cuda: bool = False) -> int:

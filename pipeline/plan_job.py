@@ -57,6 +57,18 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: flo
     return metrics
 
 
+def logits_line(metrics: dict) -> str | None:
+    """A language model's plan: what its logits take of the predicted peak, in one line (None for a
+    classifier's)."""
+    if "predicted_peak_logits_mb" not in metrics:
+        return None
+    logits, peak = metrics["predicted_peak_logits_mb"], metrics["predicted_peak_mb"]
+    return (
+        f"logits: {logits:,.0f} MB of the predicted peak's {peak:,.0f} MB ({100 * logits / peak:.1f}%): the LM "
+        "head's output, the loss's fp32 copy and log-softmax, and their gradients, at the peak"
+    )
+
+
 def plan_result(cfg) -> dict:
     """The record of a plan job: the predicted parts and peak of a training step (per rank for several) at the
     configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
@@ -64,8 +76,8 @@ def plan_result(cfg) -> dict:
 
     start = time.perf_counter()
     spec = optimizers.spec_for(cfg.optim)
-    config = models.model_config(cfg.model, num_labels=2)
-    if config.pad_token_id is None:  # decoders classify from the last non-padding token
+    config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
+    if config.pad_token_id is None:  # decoders classify from the last non-padding token (and pad a batch)
         config.pad_token_id = 0
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
     seq = cfg.train.max_length

@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from pipeline import MB
-from pipeline.plan import MAX_BATCH, _stack, fake_mode
+from pipeline.plan import MAX_BATCH, PART_KEYS, _stack, fake_mode, reported
 
 SOURCES = {
     "none": "DDP: torch DistributedDataParallel (accelerate)",
@@ -43,7 +43,7 @@ SOURCES = {
 # the numbers of ranks the smallest-N search tries: one 8-GPU node's 1..8, then whole nodes
 MAX_RANKS = 4096
 CANDIDATE_RANKS = (*range(1, 9), *range(16, MAX_RANKS + 1, 8))
-PARTS = ("params", "grads", "optimizer", "activations", "other")
+PARTS = PART_KEYS  # a language model's `logits` among them: a rank's own, as its activations
 # NCCL's buffers on each GPU of a job over several ranks, allocated by NCCL itself (outside torch's caching
 # allocator): stated, not measured here. NCCL_BUFFSIZE is 4 MiB per channel, per peer and per protocol (NCCL's
 # default); with the channels and peers of a node's rings and trees a total of 0.5-1 GB per GPU is commonly
@@ -222,7 +222,7 @@ def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch:
     extra_mb += layout.nccl_mb if world > 1 else 0.0
     states, owned = rank_states(layout, sharding, world)
     fb = _fb_rows(prediction["profile"].values(batch), layout, sharding, world)
-    at = dict(zip(PARTS, fb[fb.sum(axis=1).argmax()].tolist(), strict=True))
+    at = reported(dict(zip(PARTS, fb[fb.sum(axis=1).argmax()].tolist(), strict=True)), prediction["vocab"])
     out, alike = (
         [],
         {},
