@@ -244,11 +244,13 @@ def plan_text(cfg: DictConfig, result: dict) -> str:
     """A single plan's table and verdict, as a sweep's report prints them (pipeline.report.tables)."""
     import pandas as pd
 
+    from pipeline.plan_job import logits_line
     from pipeline.report.tables import plan_console, plan_table
 
     params = {k: str(v) for k, v in {**job_params(cfg), **result["params"]}.items() if v is not None}
     table = plan_table(pd.DataFrame([{**params, **result["metrics"], "status": "FINISHED"}]))
-    return plan_console(table)
+    logits = logits_line(result["metrics"])  # a language model's
+    return plan_console(table) + ("" if logits is None else "\n" + logits)
 
 
 def plan_in_process(cfg: DictConfig) -> tuple[Failure | None, dict | None]:
@@ -576,6 +578,11 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
         if failure is None:
             if cfg.plan and not sweep:  # a single plan's answer (a sweep's comes in its report)
                 print(plan_text(cfg, result))
+            elif cfg.plan:  # a language model's logits, beside the sweep's plan table
+                from pipeline.plan_job import logits_line
+
+                if (logits := logits_line(result["metrics"])) is not None:
+                    print(f"[plan] {name}: {logits}", flush=True)
             return Outcome(name, "FINISHED", score)
         status = journal.status_of(failure.reason)  # as the run ends: KILLED for a cancel, else FAILED
         print(f"[job] {name} {status} ({failure.reason}): {failure.summary}", file=sys.stderr, flush=True)
