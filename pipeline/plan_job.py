@@ -27,6 +27,20 @@ def headroom(peak: float, budget: float) -> dict[str, float]:
     }
 
 
+def logits_metrics(prediction: dict, batch: int, extra: float) -> dict[str, float]:
+    """A language model's logits at their largest in the forward/backward pass of one process, and what memory
+    holds at that moment (the pass's parts, the state, `extra`: a CUDA target's workspaces): where the peak
+    falls elsewhere (the optimizer step, the end of backward) it holds none of them. A classifier's: none."""
+    if prediction["vocab"] is None:
+        return {}
+    rows = prediction["profile"].values(batch)
+    at = rows[rows[:, plan.PART_KEYS.index("logits")].argmax()]
+    return {
+        "predicted_logits_largest_mb": float(at[plan.PART_KEYS.index("logits")]),
+        "predicted_logits_largest_total_mb": float(at.sum() + prediction["state"] + extra),
+    }
+
+
 def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: float) -> dict[str, float]:
     """The per-rank figures of a plan for `launcher.nproc_per_job` ranks under `train.sharding`: the largest
     rank's parts and peak (what must fit), each rank's peak (ZeRO-1's differ; up to 8 named), the largest
@@ -63,9 +77,11 @@ def logits_line(metrics: dict) -> str | None:
     if "predicted_peak_logits_mb" not in metrics:
         return None
     logits, peak = metrics["predicted_peak_logits_mb"], metrics["predicted_peak_mb"]
+    largest, then = metrics["predicted_logits_largest_mb"], metrics["predicted_logits_largest_total_mb"]
     return (
-        f"logits: {logits:,.0f} MB of the predicted peak's {peak:,.0f} MB ({100 * logits / peak:.1f}%): the LM "
-        "head's output, the loss's fp32 copy and log-softmax, and their gradients, at the peak"
+        f"logits (the LM head's output, the loss's fp32 copy and log-softmax, their gradients): "
+        f"{logits:,.0f} MB of the predicted peak's {peak:,.0f} MB ({100 * logits / peak:.1f}%); at their largest "
+        f"{largest:,.0f} MB, of {then:,.0f} MB held then ({100 * largest / then:.1f}%, one process)"
     )
 
 
@@ -91,6 +107,7 @@ def plan_result(cfg) -> dict:
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
+        **logits_metrics(prediction, cfg.batch_size, plan.CUBLAS_WORKSPACES_MB if cuda else 0.0),
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
         "bytes_rule_mb": predict.bytes_rule_mb(num_params),
     }
