@@ -102,24 +102,24 @@ def loss_without_upcast(logits, labels, vocab_size, num_items_in_batch=None, ign
     return fixed_cross_entropy(logits.view(-1, vocab_size), labels.view(-1), num_items_in_batch, ignore_index)
 
 
-def test_a_tied_language_models_state_estimate_counts_the_tied_weight_once():
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "adamw_8bit"])
+def test_a_tied_language_models_state_estimate_counts_the_tied_weight_once(optim):
     """gpt2-tiny as a language model ties its head to its token embedding: the estimate counts that weight once,
-    as AdamW's real state does, to the byte."""
-    cfg = compose_cfg("task=causal_lm", "model=gpt2-tiny", "optim=adamw")
+    as the optimizer's real state does, to the byte."""
+    from pipeline.memory import optimizer_state_size
+
+    cfg = compose_cfg("task=causal_lm", "model=gpt2-tiny", f"optim={optim}", "backend=accelerator")
     torch.manual_seed(0)
     model = models.load_model(cfg.model, 2, None, "causal_lm")
     assert model.lm_head.weight is model.get_input_embeddings().weight
-    spec = optimizers.get("adamw")
+    spec = optimizers.get(optim)
     optimizer = spec.build(model, cfg)
     ids = torch.randint(0, 30522, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    from pipeline.memory import optimizer_state_size
-
-    estimate = spec.estimate(optimizers.param_infos(model), cfg, spec.variant("trainer", cfg), model.config)
-    assert optimizer_state_size(optimizer).bytes == estimate.bytes
-    # one entry for the tied weight
-    assert len(optimizers.param_infos(model)) == len(list(model.parameters()))
+    infos = optimizers.param_infos(model)
+    assert sum(i.numel for i in infos) == sum(p.numel() for p in model.parameters())  # the tied weight once
+    assert optimizer_state_size(optimizer).bytes == spec.estimate(infos, cfg, None, model.config).bytes
 
 
 @pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
@@ -143,8 +143,11 @@ def test_a_language_models_plan_record_has_the_logits_and_a_classifiers_none():
     assert sum(lm[f"predicted_peak_{k}_mb"] for k in PARTS) == pytest.approx(lm["predicted_peak_mb"])
     # the classifier's parameters, its score (64 x 2) replaced by the head (64 x 30,522)
     assert lm["model_num_params"] == 2_027_584 - 64 * 2 + 30522 * 64
+    assert lm["predicted_logits_largest_mb"] >= lm["predicted_peak_logits_mb"]
+    assert plan_job.logits_line(lm).startswith("logits (the LM head's output")
     classifier = plan_job.plan_result(compose_cfg("model=llama-tiny", "plan=true", "memory_budget_mb=500"))
     assert not any("logits" in k for k in classifier["metrics"])
+    assert plan_job.logits_line(classifier["metrics"]) is None
 
 
 def test_a_language_models_depth_and_batch_follow_from_two_shallow_models(monkeypatch):
