@@ -100,8 +100,9 @@ plan-accuracy: install
 plan-accuracy-ranks: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.plan_ranks
 
-# how many GPUs and what batch per GPU, from plans only (no GPU): the four shipped decoders x optimizers x
-# precision x checkpointing x seq 512/2048 x named GPUs -> docs/fit-table.md (minutes on CPU)
+# how many GPUs and what batch per GPU, from plans only (no GPU): the shipped decoders as classifiers and as
+# causal LMs x optimizers x precision x checkpointing x seq 512/2048 x named GPUs -> docs/fit-table.md (504
+# rows, 14 min on 2 CPU cores)
 fit-table: install
 	$(BIN)/python -m bench.fit_table
 

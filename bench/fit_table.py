@@ -1,10 +1,11 @@
-"""`make fit-table`: docs/fit-table.md, from plans only (pipeline.plan, pipeline.plan_ranks): for each shipped
-decoder x optimizer x precision x gradient checkpointing x sequence length, on each named GPU, the smallest
-number of GPUs at which one sample per GPU fits (over the shardings each optimizer can take) and the largest
-batch per GPU there. Nothing is trained and no GPU measured it: every figure is a simulated step.
+"""`make fit-table`: docs/fit-table.md, from plans only (pipeline.plan, pipeline.plan_ranks): for each task
+(a sequence classifier, or task=causal_lm: the decoder with its LM head, next-token labels) x shipped decoder x
+optimizer x precision x gradient checkpointing x sequence length, on each named GPU, the smallest number of
+GPUs at which one sample per GPU fits (over the shardings each optimizer can take) and the largest batch per GPU
+there. Nothing is trained and no GPU measured it: every figure is a simulated step.
 
-    python -m bench.fit_table                      # the whole table (minutes on 2 CPU cores)
-    python -m bench.fit_table --models qwen2.5-0.5b --optims adamw --out /tmp/fit.md
+    python -m bench.fit_table                      # the whole table (504 rows: 14 min on 2 CPU cores)
+    python -m bench.fit_table --tasks causal_lm --models qwen2.5-0.5b --optims adamw --out /tmp/fit.md
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b", "llama-3.1-8b")
+TASKS = ("classification", "causal_lm")
+# the models each task's rows cover, smallest first: classifiers of the four 0.5-8B decoders; as language models,
+# every published decoder of conf/model (pipeline.models.decoders() with a hub_id: not the tests' tiny ones)
+MODELS = {
+    "classification": ("qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b", "llama-3.1-8b"),
+    "causal_lm": ("gpt2", "qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b", "llama-3.1-8b"),
+}
 OPTIMS = ("adamw", "adamw_8bit", "adafactor", "adamw_torchao_4bit", "galore_adamw", "apollo_adamw", "muon")
 NOT_PLANNED = {"lomo": "updates inside the backward pass: no separate optimizer step to simulate (train it)"}
 PRECISIONS = ("bf16", "bf16_pure")
+CHECKPOINTING = ("off", "on")
 SEQS = (512, 2048)
 # one GPU per memory size (pipeline.plan.DEVICE_MEMORY_GB; the others of a size fit alike)
 GPUS = ("t4", "a10", "v100-32gb", "a100-40gb", "l40s", "h100-80gb", "h200")
@@ -53,38 +61,42 @@ def cell(prediction, layout, optim: str, budget: float, extra: float) -> str:
     return f"{n}{' ' + sharding if sharding else ''}, {min(batch, 9999)}"
 
 
-def rows(models, optims, precisions, seqs, gpus, failed: dict[str, str]):
-    """The table's rows; a model the plan cannot simulate gets n/a cells, and why in `failed` (model -> reason)."""
+def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: dict[str, str]):
+    """The table's rows of one task; a model the plan cannot simulate gets n/a cells, and why in `failed`
+    (`model (task)` -> reason)."""
     from hydra import compose, initialize_config_dir
 
     from pipeline import models as catalog
     from pipeline import optimizers, plan, plan_ranks
 
     extra = plan.CUBLAS_WORKSPACES_MB
-    for model, precision, ckpt in itertools.product(models, precisions, (False, True)):
+    for model, precision, ckpt in itertools.product(models, precisions, checkpointing):
         for optim in optims:
-            overrides = [f"model={model}", f"optim={optim}", f"train.precision={precision}", "plan=true"]
-            overrides.append(f"train.gradient_checkpointing={str(ckpt).lower()}")
+            overrides = [f"model={model}", f"task={task}", f"optim={optim}", f"train.precision={precision}"]
+            overrides += ["plan=true", f"train.gradient_checkpointing={str(ckpt == 'on').lower()}"]
             with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
                 cfg = compose("config", overrides)
             spec = optimizers.spec_for(cfg.optim)
-            config = catalog.model_config(cfg.model, num_labels=2)
-            if config.pad_token_id is None:
+            config = catalog.model_config(cfg.model, num_labels=2, task=cfg.task.name)
+            if (
+                config.pad_token_id is None
+            ):  # as plan mode: a decoder classifies from the last non-padding token
                 config.pad_token_id = 0
-            names = tuple(catalog.load_tokenizer(cfg.model).model_input_names)
+            names = tuple(catalog.load_tokenizer(cfg.model, local_only=True).model_input_names)
             layout = None
+            key = [model, task, optim, precision, ckpt]
             for seq in seqs:
                 try:
                     prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names)
                 except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
-                    failed[model] = str(err)
-                    yield [model, optim, precision, "on" if ckpt else "off", str(seq), *["n/a"] * len(gpus)]
+                    failed[f"{model} ({task})"] = str(err)
+                    yield [*key, str(seq), *["n/a"] * len(gpus)]
                     continue
                 if layout is None:
                     nccl = plan_ranks.NCCL_BUFFERS_MB
                     layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True, nccl_mb=nccl)
                 cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra) for g in gpus]
-                yield [model, optim, precision, "on" if ckpt else "off", str(seq), *cells]
+                yield [*key, str(seq), *cells]
 
 
 def page(
@@ -92,7 +104,7 @@ def page(
 ) -> str:
     from pipeline import plan, plan_ranks
 
-    header = ["model", "optimizer", "precision", "checkpointing", "seq [tokens]"]
+    header = ["model", "task", "optimizer", "precision", "checkpointing", "seq [tokens]"]
     header += [f"{g} ({plan.usable_mb(g):,.0f} MB)" for g in GPUS]
     lines = [
         "# Fit table: how many GPUs, and what batch per GPU",
@@ -109,8 +121,13 @@ def page(
         "tokens, every one at full length; 9999 = 9999 or more). `-`: no number up to 4096 fits. Usable "
         f"memory = the data sheet's GB (10^9 bytes) in MB less {plan.CUDA_CONTEXT_MB} MiB for the CUDA context; "
         f"on more than one GPU each also holds {plan_ranks.NCCL_BUFFERS_MB} MiB of NCCL buffers (stated, not "
-        "measured); MB = 2^20 bytes. Sequence classification head, attention as CUDA's fused kernels run it "
-        "(flash or memory-efficient: no heads x S x S probabilities kept), the optimizer's own step "
+        "measured); MB = 2^20 bytes. Task `classification`: the sequence classification head (2 labels, one per "
+        "sequence); task `causal_lm`: the decoder with its LM head (tied to the embeddings in GPT-2, Qwen2.5-0.5B "
+        "and Llama-3.2-1B; a weight of its own in Mistral-7B and Llama-3.1-8B) trained on next-token labels, one "
+        "per token, so the step holds the logits (batch x seq x vocabulary), which transformers' loss upcasts to "
+        "fp32, and their gradient in backward. Attention "
+        "as CUDA's fused kernels run it (flash or memory-efficient: no heads x S x S probabilities kept), the "
+        "optimizer's own step "
         "(`foreach` on CUDA), gradient clipping. GaLore, APOLLO and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
         + "."
@@ -126,9 +143,13 @@ def page(
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--models", default=None, help="a,b,c for every task (default: each task's MODELS)")
     parser.add_argument("--optims", default=",".join(OPTIMS))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument(
+        "--checkpointing", default=",".join(CHECKPOINTING), help="off,on: gradient checkpointing"
+    )
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fit-table.md")
     args = parser.parse_args(argv)
@@ -136,11 +157,17 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     command = "python -m bench.fit_table " + " ".join(sys.argv[1:] if argv is None else argv)
-    grid = [args.models.split(","), args.optims.split(","), args.precisions.split(",")]
-    total = len(grid[0]) * len(grid[1]) * len(grid[2]) * 2 * len(args.seqs.split(","))
+    models = {t: args.models.split(",") if args.models else MODELS[t] for t in args.tasks.split(",")}
+    optims, precisions, seqs = args.optims.split(","), args.precisions.split(","), args.seqs.split(",")
+    checkpointing = args.checkpointing.split(",")
+    total = sum(map(len, models.values())) * len(optims) * len(precisions) * len(checkpointing) * len(seqs)
     found = []
     failed: dict[str, str] = {}
-    for row in rows(*grid, [int(s) for s in args.seqs.split(",")], GPUS, failed):
+    lengths = [int(s) for s in seqs]
+    planned = (
+        rows(t, m, optims, precisions, checkpointing, lengths, GPUS, failed) for t, m in models.items()
+    )
+    for row in itertools.chain.from_iterable(planned):
         found.append(row)
         print(" | ".join(row), flush=True)
         # written after every row: a table stopped early keeps what it planned, and says so
