@@ -1,10 +1,11 @@
-"""`make optimizer-table`: every registered optimizer on one model, a real sweep of short jobs: the optimizer
-state measured against its two estimates, the analytic one (`estimated_optimizer_state_mb`) and the meta-device
-step's (`pipeline.optimizers.meta_estimate`, computed here on the same model built on the meta device), its
-bytes per parameter, and the gradients' part of the peak breakdown. Writes a Markdown table (default
-docs/optimizer-table.md) and its CSV beside it.
+"""`make optimizer-table`: every registered optimizer on one model of one task, a real sweep of short jobs: the
+optimizer state measured against its two estimates, the analytic one (`estimated_optimizer_state_mb`) and the
+meta-device step's (`pipeline.optimizers.meta_estimate`, computed here on the same model built on the meta
+device), its bytes per parameter, and the gradients' part of the peak breakdown. Writes a Markdown table
+(default docs/optimizer-table.md, or docs/optimizer-table-causal-lm.md for task=causal_lm) and its CSV beside it.
 
     python -m bench.optimizer_table            # distilbert-base-cased (random weights), fp32, Accelerate loop
+    python -m bench.optimizer_table --task causal_lm   # gpt2-tiny with its LM head (tied to its embeddings)
     python -m bench.optimizer_table --model tiny --precision bf16_pure --optims adamw,lomo --out /tmp/t.md
 
 The jobs run as one `python -m pipeline -m optim=...` sweep into outputs_dir (default outputs/optimizer-table):
@@ -26,6 +27,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 EXPERIMENT = "optimizer-table"
+# each task's model when --model is not given, and its page: a classifier of DistilBERT's size; as a language model
+# the tiny GPT-2, whose LM head is its token embedding (tied: one weight, whose state every figure counts once)
+MODEL = {"classification": "distilbert-base-cased", "causal_lm": "gpt2-tiny"}
+PAGE = {"classification": "optimizer-table.md", "causal_lm": "optimizer-table-causal-lm.md"}
+TITLE = {"classification": "", "causal_lm": " as a causal language model"}
+TASK_NOTE = {
+    "classification": "",
+    "causal_lm": " task=causal_lm: the decoder with its LM head (`AutoModelForCausalLM`), trained on next-token "
+    "labels of the data's text; a head tied to the token embedding is one parameter, whose state every figure "
+    "counts once. *peak logits*: the logits' part of the step's peak (batch x seq x vocabulary, their fp32 copy "
+    "in the loss, their gradient); where the peak falls at the loss, before backward has made any parameter's "
+    "gradient, *peak grads* is 0.",
+}
 # short jobs: a small batch of short texts, two steps (the breakdown profiles step 2), no validation passes
 JOB = [
     "train.max_steps=2",
@@ -53,6 +67,7 @@ def sweep_overrides(args) -> list[str]:
     return [
         f"optim={','.join(args.optims)}",
         f"model={args.model}",
+        f"task={args.task}",
         *extra,
         f"train.precision={args.precision}",
         f"backend={args.backend}",
@@ -72,10 +87,12 @@ def meta_mb(optim: str, overrides: list[str]) -> tuple[float | None, str]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", [*keep, f"optim={optim}"])
     spec = optimizers.get(optim)
-    config = models.model_config(cfg.model, num_labels=2)  # the default data's two classes, as plan mode
+    task = cfg.task.name  # a classifier of the default data's two classes (as plan mode), or the LM head
+    config = models.model_config(cfg.model, num_labels=2, task=task)
     itemsize = 2 if cfg.train.precision == "bf16_pure" else 4
     try:
-        return optimizers.meta_estimate(spec, cfg, optimizers.meta_model(config, itemsize)).bytes / MB, ""
+        model = optimizers.meta_model(config, itemsize, task)
+        return optimizers.meta_estimate(spec, cfg, model).bytes / MB, ""
     except optimizers.MetaStepFailed as err:
         return None, str(err)
     except Exception as err:  # noqa: BLE001 (a missing package, a build that needs CUDA: said in the table)
@@ -83,7 +100,8 @@ def meta_mb(optim: str, overrides: list[str]) -> tuple[float | None, str]:
 
 
 def latest_runs(outputs_dir: Path, overrides: list[str]) -> dict[str, object]:
-    """optim -> its latest ended run of this model, precision and backend in the table's experiment."""
+    """optim -> its latest ended run of this model, task, precision and backend in the table's experiment (a run
+    logged without a task is a classifier's)."""
     from mlflow import MlflowClient
 
     from pipeline.tracking import store_uri
@@ -101,7 +119,8 @@ def latest_runs(outputs_dir: Path, overrides: list[str]) -> dict[str, object]:
     )  # fmt: skip
     latest = {}
     for run in runs:
-        latest.setdefault(run.data.params["optim"], run)
+        if run.data.params.get("task", "classification") == values["task"]:
+            latest.setdefault(run.data.params["optim"], run)
     return latest
 
 
@@ -134,6 +153,8 @@ def rows(optims: list[str], runs: dict, overrides: list[str]) -> list[dict]:
                 "peak grads [MB]": m.get("peak_grads_mb"),
                 "peak [MB]": m.get("peak_memory_mb"),
                 "params": m.get("model_num_params"),
+                # a language model's logits part of the peak (a classifier logs none)
+                **({"peak logits [MB]": m["peak_logits_mb"]} if "peak_logits_mb" in m else {}),
             }
         )
     return out
@@ -147,8 +168,9 @@ def same(a, b) -> str:
 
 
 def markdown(table: list[dict], command: str, seconds: float, args) -> str:
+    lm = args.task == "causal_lm"
     lines = [
-        f"# Optimizer state on {args.model} ({args.precision}, {args.backend})",
+        f"# Optimizer state on {args.model}{TITLE[args.task]} ({args.precision}, {args.backend})",
         "",
         f"Written by `{command}` on {datetime.now():%Y-%m-%d %H:%M} ({seconds:.0f} s; a rerun trains only what is "
         "missing). One real job per optimizer: "
@@ -157,10 +179,12 @@ def markdown(table: list[dict], command: str, seconds: float, args) -> str:
         "(`optimizer_state_mb`); *analytic*: the registry's estimate (`estimated_optimizer_state_mb`); *meta step*: "
         "the optimizer built on the same model on the meta device and stepped once (`pipeline.optimizers."
         "meta_estimate`), `=` where it equals the measured state to the byte; *peak grads*: the gradients' part of "
-        "the step's peak (the memory breakdown, [metrics.md](metrics.md)).",
+        "the step's peak (the memory breakdown, [metrics.md](metrics.md))." + TASK_NOTE[args.task],
         "",
-        "| optimizer | status | measured [MB] | analytic [MB] | meta step [MB] | bytes/param | peak grads [MB] | peak [MB] |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| optimizer | status | measured [MB] | analytic [MB] | meta step [MB] | bytes/param | peak grads [MB] | "
+        + "peak logits [MB] | " * lm
+        + "peak [MB] |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | " + "---: | " * lm + "---: |",
     ]
     for r in table:
         measured = r.get("measured [MB]")
@@ -176,7 +200,9 @@ def markdown(table: list[dict], command: str, seconds: float, args) -> str:
         analytic_cell = fmt(analytic, 3) + (f" ({same(measured, analytic)})" if measured is not None else "")
         lines.append(
             f"| `{r['optim']}` | {r['status']} | {fmt(measured, 3)} | {analytic_cell} | {meta_cell} | "
-            f"{fmt(r.get('bytes/param'))} | {fmt(r.get('peak grads [MB]'))} | {fmt(r.get('peak [MB]'))} |"
+            f"{fmt(r.get('bytes/param'))} | {fmt(r.get('peak grads [MB]'))} | "
+            + f"{fmt(r.get('peak logits [MB]'))} | " * lm
+            + f"{fmt(r.get('peak [MB]'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -185,17 +211,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.optimizer_table", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--model", default="distilbert-base-cased")
+    parser.add_argument("--task", default="classification", choices=list(MODEL))
+    parser.add_argument("--model", default=None, help="default: the task's (MODEL)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16_pure"])
     parser.add_argument("--backend", default="accelerator", choices=["accelerator", "trainer"])
     parser.add_argument(
         "--optims", type=lambda s: s.split(","), default=None, help="a,b,c (default: every one)"
     )
     parser.add_argument("--outputs-dir", type=Path, default=ROOT / "outputs" / "optimizer-table")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "optimizer-table.md")
+    parser.add_argument("--out", type=Path, default=None, help="default: docs/ + the task's PAGE")
     parser.add_argument("--table-only", action="store_true", help="write the table of what the store holds")
     args = parser.parse_args(argv)
     args.optims = args.optims or registered()
+    args.model = args.model or MODEL[args.task]
+    args.out = args.out or ROOT / "docs" / PAGE[args.task]
     overrides = sweep_overrides(args)
     start = time.perf_counter()
     if not args.table_only:
