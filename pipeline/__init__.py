@@ -26,6 +26,9 @@ def learning_rate(cfg) -> float:
     return float(f"{cfg.train.lr * cfg.train.get('lr_scale', 1.0):.12g}")
 
 
+# task=causal_lm: what becomes of the data's label column (each run's tag `labels`, and a sweep's console once)
+LABELS_IGNORED = "ignored: task=causal_lm trains on the text column alone, the next tokens its labels"
+
 # what optim=custom builds when neither custom_optim nor optim.target is set
 CUSTOM_DEFAULT = "torch.optim.AdamW"
 

@@ -307,8 +307,18 @@ def tokenize(
             new_fingerprint=fingerprint,
         )
 
-    val = None if splits.val is None else run(splits.val)
-    return replace(splits, train=run(splits.train), eval=run(splits.eval), val=val, task=task)
+    parts = {
+        name: run(ds)
+        for name, ds in (("train", splits.train), ("eval", splits.eval), ("val", splits.val))
+        if ds is not None
+    }
+    empty = [name for name, ds in parts.items() if len(ds) == 0]
+    if packing and empty:
+        raise ValueError(
+            f"train.packing=true: the {' and '.join(empty)} split's texts fill no block of train.max_length="
+            f"{max_length} tokens; lower train.max_length or raise data.max_{empty[0]}_samples"
+        )
+    return replace(splits, **{"val": None, **parts}, task=task)
 
 
 def _blocks(sequences: list[list[int]], size: int) -> list[list[int]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import StateSize, cache, distributed, optimizers
+from pipeline import LABELS_IGNORED, StateSize, cache, distributed, optimizers
 from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
 from pipeline.timing import StepTimer, peak_flops
 
@@ -191,10 +191,6 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
         }
 
     return store.get(["step", *inputs], figures)
-
-
-# task=causal_lm: what becomes of the data's label column (a run's tag, and the sweep's console once)
-LABELS_IGNORED = "ignored: task=causal_lm trains on the text column alone (next-token labels)"
 
 
 def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:

@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import browse, journal, runner, starter
+from pipeline import LABELS_IGNORED, browse, journal, runner, starter
 from pipeline.job import short_mb
 from pipeline.runner import SKIPPED_FILE, Outcome, selection_metric
 from pipeline.tracking import SKIPPED_RUN, StoreError, Tracker
@@ -34,10 +34,7 @@ NAME_CHARS = 200  # a run name's length the UI still shows whole in its tooltip 
 # when smallest
 SMALLER_IS_BETTER = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_perplexity")
 # what a sweep with language-model points says once, as it starts: its jobs' runs carry it as the tag `labels`
-LABELS_LINE = (
-    "[sweep] task=causal_lm: the data's label column is ignored; its text column is the corpus "
-    "(next-token labels)"
-)
+LABELS_LINE = f"[sweep] the data's label column is {LABELS_IGNORED}"
 
 
 @dataclass

@@ -140,3 +140,13 @@ def test_every_optimizer_holds_the_state_it_estimates_for_a_language_model(optim
         optimizer.step()
     measured = optimizer_state_size(optimizer)
     assert measured == spec.estimate(optimizers.param_infos(model), cfg, None, model.config)
+
+
+def test_a_split_too_short_for_one_packed_block_is_one_line():
+    cfg = compose_cfg("model=llama-tiny", *LM, "train.packing=true", "data.max_eval_samples=1")
+    with pytest.raises(ValueError) as err:
+        job.load(cfg)
+    assert str(err.value) == (
+        "train.packing=true: the eval split's texts fill no block of train.max_length=32 tokens; lower "
+        "train.max_length or raise data.max_eval_samples"
+    )
