@@ -29,6 +29,7 @@ COLUMNS = {
     "peak: gradients [MB]": "peak_grads_mb",
     "peak: optimizer state [MB]": "peak_optimizer_mb",
     "peak: activations [MB]": "peak_activations_mb",
+    "peak: logits [MB]": "peak_logits_mb",
     "peak: other [MB]": "peak_other_mb",
     "train loss [nats]": "train_loss_final",
     "eval loss [nats]": "eval_loss",
@@ -57,10 +58,11 @@ KEY_LABELS = {
 # how each task's table is headed where the report holds a language model
 CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"
 TASKS = {CLASSIFICATION: "classification", CAUSAL_LM: "language model"}
-# the quality columns only one task logs: a table holds those of the tasks of its rows, never the others'
+# the columns only one task logs (its quality; a language model's logits part of the peak): a table holds those
+# of the tasks of its rows, never the others'
 TASK_COLUMNS = {
     CLASSIFICATION: ["eval accuracy [0-1]", "eval F1 [0-1]"],
-    CAUSAL_LM: ["eval perplexity", "eval next-token accuracy [0-1]"],
+    CAUSAL_LM: ["eval perplexity", "eval next-token accuracy [0-1]", "peak: logits [MB]"],
 }
 # the comparison's lead table (after the optimizer and the settings that differ between rows): what the
 # choice of an optimizer turns on (quality: a classifier's F1, a language model's perplexity); the other
@@ -89,6 +91,10 @@ LEGEND = {
     "gradient is written (forward or early backward), activations 0 that it falls after backward (the "
     "optimizer step); other = the backward pass's and the optimizer step's temporaries (on CUDA also what the "
     "allocator holds outside tensors); empty where the tracker cannot follow the optimizer",
+    "peak: logits [MB]": "a language model's sixth part at the same moment (`peak_logits_mb`): every storage the "
+    "forward or backward pass makes as a tensor whose last dimension is the LM head's vocabulary (the head's "
+    "output, the loss's fp32 copy and log-softmax, their gradients), taken out of activations and other, so "
+    "that the six parts add up to the peak",
     "train loss [nats]": "cross-entropy of the last training step (`train_loss_final`)",
     "eval loss [nats]": "mean cross-entropy on the eval split (`eval_loss`; a language model's: the mean over "
     "eval batches of each batch's mean next-token cross-entropy)",
@@ -110,7 +116,7 @@ LEGEND = {
 # the legend's entries only one task's table has
 TASK_LEGEND = {
     CLASSIFICATION: ["collapsed [runs]", "eval accuracy [0-1], eval F1 [0-1]"],
-    CAUSAL_LM: ["eval perplexity", "eval next-token accuracy [0-1]"],
+    CAUSAL_LM: ["peak: logits [MB]", "eval perplexity", "eval next-token accuracy [0-1]"],
 }
 # the tuned section: the quality metric that picks each optimizer's rate (val_<metric> on the validation
 # split) and that the optimizers are compared on (eval_<metric> on the held-out test split) -> its label
@@ -192,6 +198,7 @@ PLAN_COLUMNS = {
     "gradients [MB]": "predicted_peak_grads_mb",
     "optimizer state [MB]": "predicted_peak_optimizer_mb",
     "activations [MB]": "predicted_peak_activations_mb",
+    "logits [MB]": "predicted_peak_logits_mb",  # a language model's (a classifier's plan has no such column)
     "other [MB]": "predicted_peak_other_mb",
     "predicted peak [MB]": "predicted_peak_mb",
     "budget [MB]": "budget_mb",

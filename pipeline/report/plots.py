@@ -53,13 +53,32 @@ TUNED_PERPLEXITY_CAPTION = (
     "A language model's test perplexity (log scale) at each optimizer's tuned learning rate against peak "
     "memory; the Pareto front (less memory, lower perplexity) is marked"
 )
+# the peak's parts, stacked in this order, and their colours
 BREAKDOWN = {
     "weights": "peak: weights [MB]",
     "gradients": "peak: gradients [MB]",
     "optimizer state": "peak: optimizer state [MB]",
     "activations": "peak: activations [MB]",
+    "logits": "peak: logits [MB]",
     "other": "peak: other [MB]",
 }
+BREAKDOWN_COLORS = {
+    "weights": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer state": "#c44e52",
+    "activations": "#55a868",
+    "logits": "#8172b3",
+    "other": "#8c8c8c",
+}
+# the parts only a language model's breakdown has (task=causal_lm); every job's breakdown has the others
+LM_PARTS = ["logits"]
+PARTS = [column for part, column in BREAKDOWN.items() if part not in LM_PARTS]
+# peak_breakdown.png's caption where a language model's logits are among its parts
+LM_BREAKDOWN_CAPTION = (
+    "Memory at the moment of the peak of the profiled step, by part (not each part's own maximum; a language "
+    "model's logits a part of their own), with the phase the parts show (in brackets) and the measured and the "
+    "predicted peak"
+)
 DPI = 110
 
 
@@ -152,14 +171,27 @@ def plot_throughput(table: pd.DataFrame, colors: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def breakdown_parts(table: pd.DataFrame) -> dict[str, str]:
+    """The parts of the peak a table's breakdown has (part -> column), in BREAKDOWN's order: those of every
+    job, and a language model's logits where some row has them (a classifier's table: not that part)."""
+    return {
+        part: column
+        for part, column in BREAKDOWN.items()
+        if part not in LM_PARTS or (column in table and table[column].notna().any())
+    }
+
+
 def plot_breakdown(table: pd.DataFrame, path: Path, step: str = "step 2") -> None:
     """Stacked bars of what memory holds at the moment of the peak per row (the phase the parts show under
-    each label), the measured peak (black tick) and the predicted one (red)."""
+    each label), the measured peak (black tick) and the predicted one (red). A language model's rows stack
+    their logits too; a classifier's row beside them has none (0)."""
     fig, ax = _figure(width=max(8, 0.7 * len(table) + 3))
     phases = peak_phase(table).map(lambda p: f"\n({PHASES[p].split(' (')[0]})" if p else "")
     labels = _labels(table, ["optim", *point_columns(table)]) + phases
-    parts = table[list(BREAKDOWN.values())].set_axis(list(BREAKDOWN), axis=1).set_index(labels)
-    parts.plot.bar(ax=ax, stacked=True, rot=30, color=["#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8c8c8c"])
+    shown = breakdown_parts(table)
+    none = {column: 0.0 for part, column in shown.items() if part in LM_PARTS}
+    parts = table[list(shown.values())].fillna(none).set_axis(list(shown), axis=1).set_index(labels)
+    parts.plot.bar(ax=ax, stacked=True, rot=30, color=[BREAKDOWN_COLORS[part] for part in shown])
     x = range(len(table))
     ax.scatter(x, table["peak [MB]"], marker="_", s=900, color="k", zorder=3, label="measured peak")
     if table["predicted peak [MB]"].notna().any():

@@ -31,14 +31,16 @@ from pipeline.report.columns import (
     VARIANTS,
 )
 from pipeline.report.plots import (
-    BREAKDOWN,
+    LM_BREAKDOWN_CAPTION,
     LM_TUNED_PLOTS,
+    PARTS,
     PLOTS,
     TUNED_F1_CAPTION,
     TUNED_PERPLEXITY_CAPTION,
     TUNED_PLOTS,
     _colors,
     _labels,
+    breakdown_parts,
     plot_breakdown,
     plot_f1_peak,
     plot_losses,
@@ -62,6 +64,7 @@ from pipeline.report.runs import (
     validation_history,
 )
 from pipeline.report.tables import (
+    LOGITS_PART,
     _fmt,
     _optimizer_order,
     _plain,
@@ -373,10 +376,13 @@ def write_report(
             plot_losses(history, jobs, colors, out / "train_loss.png")
         if table["throughput [tokens/s]"].notna().any():
             plot_throughput(table, colors, out / "throughput.png")
-        if table[list(BREAKDOWN.values())].notna().all(axis=1).any():
+        if table[PARTS].notna().all(axis=1).any():  # (a language model's logits: where its rows have them)
             steps = jobs.reindex(columns=["peak_breakdown"]).peak_breakdown.dropna()
             step = next((t for t in steps if str(t).startswith("step ")), "profiled step")
-            plot_breakdown(table.dropna(subset=list(BREAKDOWN.values())), out / "peak_breakdown.png", step)
+            broken_down = table.dropna(subset=PARTS)
+            plot_breakdown(broken_down, out / "peak_breakdown.png", step)
+            if "logits" in breakdown_parts(broken_down):
+                captions["peak_breakdown.png"] = LM_BREAKDOWN_CAPTION
     plots = {file: caption for file, caption in captions.items() if (out / file).exists()}
     failed = failed_table(jobs)
     details_title = "All columns"
@@ -393,6 +399,8 @@ def write_report(
         "predicted peak (the largest rank's, for several ranks); fits = predicted peak within the budget; ranks "
         "needed = the smallest number of ranks at which the batch fits with that sharding; MB = 2^20 bytes)"
     )
+    if "logits [MB]" in plans:  # a language model's plan
+        plan_note = plan_note.removesuffix(")") + f"; {LOGITS_PART})"
     md = [f"# {title}", "", *[f"- {line}" for line in about], ""]
     if len(plans):
         md += [f"## {plan_title}", "", plan_note, "", _markdown(plan_display(plans)), ""]

@@ -251,6 +251,8 @@ def peak_phase(table: pd.DataFrame) -> pd.Series:
     gradient yet -> forward (or early backward), activations freed with gradients held -> the optimizer step,
     both held -> backward. The tracker records the parts at the peak, not the phase itself."""
     acts = table["peak: activations [MB]"].astype(float)
+    if "peak: logits [MB]" in table:  # a language model's logits (or their gradients) live as activations do
+        acts = acts + table["peak: logits [MB]"].astype(float).fillna(0)
     grads = table["peak: gradients [MB]"].astype(float)
     phase = pd.Series("", index=table.index)
     phase[grads.le(0) & acts.gt(0)] = "forward"
@@ -452,6 +454,12 @@ def fit_verdict(plans: pd.DataFrame) -> list[str]:
     return lines
 
 
+# what a language model's plan table says of its logits part (`logits [MB]`), in its note
+LOGITS_PART = (
+    "logits: a language model's LM-head output, the loss's fp32 copy and log-softmax and their gradients, "
+    "taken out of activations and other, so that the parts add up to the predicted peak"
+)
+
 # the plan table's rules of thumb (Adam's, whatever the optimizer) and the model's size: said below the
 # console's table, once per model, instead of as columns repeating one figure per optimizer
 ANCHORS = ["ZeRO formula, Adam [MB]", "accelerate estimate, Adam [MB]", "18 bytes/param, Adam [MB]"]
@@ -482,10 +490,13 @@ def plan_console(plans: pd.DataFrame) -> str:
                     f"{a.split(',')[0]} {_span(v)} MB" for a, v in anchors
                 )
             lines.append(said)
-    lines.append(
+    parts = (
         "(parts: what memory holds at the moment of the predicted peak, not each part's own largest: at a peak in "
         "backward the gradients made so far, not all of them; MB = 2^20 bytes)"
     )
+    if "logits [MB]" in plans:  # a language model's plan
+        parts = parts.removesuffix(")") + f"; {LOGITS_PART})"
+    lines.append(parts)
     return "\n".join(lines)
 
 
