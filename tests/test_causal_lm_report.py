@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from pipeline import browse, report
 from pipeline.report.render import console_text, write_report
+from pipeline.report.tables import plan_console, plan_table
 from pipeline.report.tuned import tuned_section
 from pipeline.sweep import LABELS_LINE, summary_table, sweep_metric, sweep_tasks
 from pipeline.tracking import VIEW_TAG
@@ -152,6 +153,101 @@ def test_a_sweep_of_both_tasks_gives_one_table_per_task_each_against_its_own_ada
     assert csv.loc["causal_lm", "eval F1 [0-1]"].isna().all()
     assert csv.loc["causal_lm", "collapsed [runs]"].isna().all()  # nothing collapses in a language model
     assert csv.loc["classification", "eval perplexity"].isna().all()
+
+
+# ---- the peak's breakdown: a language model's logits a part of their own, a classifier's breakdown without ----
+
+BREAKDOWN_COLUMNS = [c for c in report.COLUMNS if c.startswith("peak: ")]
+
+
+def broken_down(job: dict, logits: float | None) -> dict:
+    """`job` with a step-2 breakdown that adds up to its peak (as StepBreakdown logs it): a language model's
+    with its logits (`logits`), a classifier's (None) without."""
+    parts = {"peak_params_mb": 15.0, "peak_grads_mb": 0.0, "peak_optimizer_mb": job["optimizer_state_mb"]}
+    parts |= {"peak_activations_mb": 2.0} | ({} if logits is None else {"peak_logits_mb": logits})
+    parts["peak_other_mb"] = job["peak_memory_mb"] - sum(parts.values())
+    return {**job, **parts, "peak_breakdown_mb": job["peak_memory_mb"], "peak_breakdown": "step 2"}
+
+
+def test_a_language_models_breakdown_columns_add_up_to_its_peak_and_a_classifiers_have_no_logits(tmp_path):
+    lm = [broken_down(lm_job(o, s, 10.3), logits=300.0) for o in ("adamw", "adafactor") for s in (0, 1)]
+    classifiers = [broken_down(classifier_job(o, s, 0.8), logits=None) for o in LOSSES for s in (0, 1)]
+
+    # classifiers alone: the five parts, no logits column anywhere (table, CSV, page, legend)
+    alone = report.compare(frame(classifiers))
+    assert "peak: logits [MB]" not in alone and "peak: activations [MB]" in alone
+    write_report(tmp_path / "cls", "t", ["note"], frame(classifiers), alone, pd.DataFrame())
+    assert "logits" not in (tmp_path / "cls" / "report.md").read_text()
+    assert "logits" not in pd.read_csv(tmp_path / "cls" / "comparison.csv").columns.str.cat()
+    assert (tmp_path / "cls" / "peak_breakdown.png").exists()
+
+    # both tasks: the language model's rows' six parts add up to their peak, the classifier's five to theirs
+    jobs = pd.concat([frame(lm), frame(classifiers)], ignore_index=True)
+    table = report.compare(jobs)
+    parts = table[BREAKDOWN_COLUMNS].sum(axis=1, min_count=1)
+    assert parts.to_numpy() == pytest.approx(table["peak [MB]"].to_numpy(), rel=1e-12)
+    by = table.set_index("task")
+    assert (by.loc["causal_lm", "peak: logits [MB]"] == 300.0).all()
+    assert by.loc["classification", "peak: logits [MB]"].isna().all()
+    columns = list(table.columns)  # the logits between the activations and the other temporaries
+    assert columns.index("peak: activations [MB]") < columns.index("peak: logits [MB]")
+    assert columns.index("peak: logits [MB]") < columns.index("peak: other [MB]")
+
+    write_report(tmp_path / "both", "t", ["note"], jobs, table, pd.DataFrame())
+    csv = pd.read_csv(tmp_path / "both" / "comparison.csv")
+    assert csv[BREAKDOWN_COLUMNS].sum(axis=1).to_numpy() == pytest.approx(csv["peak [MB]"].to_numpy())
+    page = (tmp_path / "both" / "report.md").read_text()
+    sections = page.split("\n## ")
+    cls = next(s for s in sections if s.startswith("Comparison: classification"))
+    lm_page = next(s for s in sections if s.startswith("Comparison: language model"))
+    assert "peak: logits [MB]" not in cls
+    # its "All columns" table: each row's parts as shown (4 digits) add up to its peak as shown
+    lines = lm_page.split("### All columns\n\n")[1].split("\n\n")[0].splitlines()
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        shown = dict(zip(cells, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        mean = {c: float(shown[c].split(" ± ")[0]) for c in [*BREAKDOWN_COLUMNS, "peak [MB]"]}
+        assert sum(mean[c] for c in BREAKDOWN_COLUMNS) == pytest.approx(mean["peak [MB]"], rel=1e-3)
+    legend = page.split("\n## Columns\n")[1]
+    assert "| peak: logits [MB] |" in legend
+    assert "a language model's logits a part of their own" in page  # peak_breakdown.png's caption
+    assert (tmp_path / "both" / "peak_breakdown.png").exists()
+
+
+def plan_job(optim: str, logits: float | None) -> dict:
+    """A finished plan=true job: its predicted parts add up to its predicted peak."""
+    parts = {"params": 1885.0, "grads": 0.0, "optimizer": 3769.0 if optim == "adamw" else 3.0}
+    parts |= {"activations": 2581.0} | ({} if logits is None else {"logits": logits}) | {"other": 66.0}
+    return {
+        "run_id": f"plan-{optim}-{logits}",
+        "status": "FINISHED",
+        "task": "causal_lm" if logits is not None else None,
+        "model": "qwen2.5-0.5b" if logits is not None else "tiny",
+        "precision": "bf16",
+        "batch_size": 16,
+        "max_length": 64,
+        "optim": optim,
+        **{f"predicted_peak_{k}_mb": v for k, v in parts.items()},
+        "predicted_peak_mb": sum(parts.values()),
+        "budget_mb": 75782.0,
+        "fits": 1.0,
+    }
+
+
+def test_a_language_models_plan_table_has_its_logits_and_its_parts_add_up_to_the_predicted_peak():
+    lm = plan_table(pd.DataFrame([plan_job(o, 1780.0) for o in LOSSES]))
+    parts = ["weights [MB]", "gradients [MB]", "optimizer state [MB]", "activations [MB]", "logits [MB]"]
+    parts += ["other [MB]"]
+    assert list(lm.columns[lm.columns.get_loc("weights [MB]") :][: len(parts)]) == parts
+    assert lm[parts].sum(axis=1).to_numpy() == pytest.approx(lm["predicted peak [MB]"].to_numpy())
+    assert "logits:" in plan_console(lm).splitlines()[-1]
+
+    classifier = plan_table(pd.DataFrame([plan_job(o, None) for o in LOSSES]))
+    assert "logits [MB]" not in classifier  # an all-empty column is dropped
+    assert classifier[parts[:-2] + parts[-1:]].sum(axis=1).to_numpy() == pytest.approx(
+        classifier["predicted peak [MB]"].to_numpy()
+    )
+    assert "logits" not in plan_console(classifier)
 
 
 def lm_grid() -> pd.DataFrame:

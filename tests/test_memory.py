@@ -157,18 +157,34 @@ def test_distilbert_adamw_state_matches_the_quick_estimate():
 # ---- the peak's breakdown, its prediction and the largest batch that fits (real jobs through the CLI) ----
 
 BREAKDOWN = ["peak_params_mb", "peak_grads_mb", "peak_optimizer_mb", "peak_activations_mb", "peak_other_mb"]
+LOGITS = "peak_logits_mb"  # a language model's sixth part (task=causal_lm); a classifier logs none
+
+
+def breakdown(metrics: dict) -> list[str]:
+    """The parts of a run's breakdown: BREAKDOWN, and a language model's logits where the run has them."""
+    return BREAKDOWN + [LOGITS] * (LOGITS in metrics)
 
 
 PROFILED = {
     "tiny": ["model=tiny", "backend=trainer,accelerator", "train.max_steps=4"],
     "minilm": ["backend=accelerator", "train.max_steps=3"],  # the default model
+    # a decoder fine-tuned as a language model: its logits (30,522-token vocabulary) most of its peak
+    "lm": ["task=causal_lm", "model=llama-tiny", "train.max_steps=3", "data.max_val_samples=16"],
 }
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("minilm", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "tiny",
+        pytest.param("minilm", marks=pytest.mark.slow),  # why: the default model, a minute
+        pytest.param("lm", marks=pytest.mark.slow),  # why: two language-model jobs, about 35 s on 2 cores
+    ],
+)
 def profiled_jobs(request, tmp_path_factory):
-    """tiny on both backends, and minilm (the default model, slow: a minute), for AdamW and Adafactor;
-    fixed-length batches so that every step has the same shapes and the profiled step holds the peak."""
+    """tiny on both backends, minilm (the default model) and llama-tiny as a language model, for AdamW and
+    Adafactor; fixed-length batches so that every step has the same shapes and the profiled step holds the
+    peak."""
     tmp = tmp_path_factory.mktemp(f"profiled_{request.param}")
     fixed = ["train.padding=max_length", "data.max_train_samples=64", "data.max_eval_samples=16"]
     proc = run_cli(tmp, "-m", "optim=adamw,adafactor", *PROFILED[request.param], *fixed)
@@ -177,12 +193,16 @@ def profiled_jobs(request, tmp_path_factory):
 
 
 def test_breakdown_adds_up_to_the_measured_peak(profiled_jobs):
-    assert len(profiled_jobs) == {"tiny": 4, "minilm": 2}[profiled_jobs[0].data.params["model"]]
+    model = profiled_jobs[0].data.params["model"]
+    assert len(profiled_jobs) == {"tiny": 4, "minilm": 2, "llama-tiny": 2}[model]
     for run in profiled_jobs:
         m = run.data.metrics
         assert run.data.tags["peak_breakdown"] == "step 2"
-        assert sum(m[k] for k in BREAKDOWN) == pytest.approx(m["peak_memory_mb"], rel=0.02)
-        assert sum(m[k] for k in BREAKDOWN) == pytest.approx(m["peak_breakdown_mb"], rel=1e-6)
+        # a language model's breakdown has its logits, a classifier's none
+        assert (LOGITS in m) == (run.data.params.get("task") == "causal_lm"), m
+        parts = breakdown(m)
+        assert sum(m[k] for k in parts) == pytest.approx(m["peak_memory_mb"], rel=0.02)
+        assert sum(m[k] for k in parts) == pytest.approx(m["peak_breakdown_mb"], rel=1e-6)
         # the stored state is all there at the peak (the step's temporaries count as "other"); Adafactor's
         # Python-int `step` counts 8 bytes in the state's size but is no tensor memory: a few hundred bytes
         assert m["peak_optimizer_mb"] >= m["optimizer_state_mb"] - 1 / 1024
