@@ -130,13 +130,20 @@ def load_model(
     if model_cfg.pretrained:
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         try:
-            return cls.from_pretrained(source, **head_kwargs(task, num_labels, label_names))
+            model = cls.from_pretrained(source, **head_kwargs(task, num_labels, label_names))
         except OSError as err:
             raise OSError(
                 f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
                 f"cache ({err.__class__.__name__}); set model.pretrained=false to build it with random weights"
             ) from err
-    return cls.from_config(model_config(model_cfg, num_labels, label_names, task))
+    else:
+        model = cls.from_config(model_config(model_cfg, num_labels, label_names, task))
+    if task == "causal_lm" and model.loss_type is None:
+        # a class whose name names no loss (GPT2LMHeadModel): transformers computes the causal-LM loss for it all
+        # the same, but the Trainer, which reads the name, then averages each batch's loss over one token more
+        # per text (it counts the labels before the shift): the loss named, both backends average alike
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def vocab_size(model) -> int:

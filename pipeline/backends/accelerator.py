@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from pipeline import distributed
@@ -116,6 +116,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         mixed_precision=mixed,
         fsdp_plugin=distributed.fsdp_plugin() if sharding == "fsdp" else None,
     )
+    # the random streams as the Trainer leaves them once it is built (it seeds them with the run's seed after the
+    # model is made): dropout draws the same masks on both backends
+    set_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     if cfg.train.group_by_length:
         lengths = [len(ids) for ids in splits.train["input_ids"]]
