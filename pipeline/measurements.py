@@ -128,6 +128,16 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
         )
         peaks = figures["rank_peaks"]
         peak = peaks[min(rank, len(peaks) - 1)] - exclude_mb  # ZeRO-1's ranks differ, the others' are alike
+        if record.get("largest_before_state") and len(ranks) == 1 and "peak_before_state" in figures:
+            # the largest batch came first, before the optimizer made its state (dynamic padding): the peak is
+            # that step's (its pass without the state, or its optimizer step making it) or that of the largest
+            # batch measured with the state in place, whichever is higher
+            peak = figures["peak_before_state"] - exclude_mb
+            later = tuple(record.get("largest_with_state", ()))
+            if len(later) == 2:
+                with_state = simulated_step(cfg, spec, model.config, later, cuda, names, 1)
+                if with_state["rank_peaks"][0] - exclude_mb > peak:
+                    figures, peak = with_state, with_state["rank_peaks"][0] - exclude_mb
         error = 100 * (peak / measured[rank] - 1)
         if rank == 0:
             out |= {
@@ -182,8 +192,11 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
         layout = plan_ranks.Layout(found["model"], spec, cfg, foreach=cuda)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
+        # step 1's peak: its pass with no state yet, or its optimizer step, which makes the state
+        before_state = {**found["profile"].parts(batch[0]), "optimizer": 0.0}
         return {
             "peak": found["peak"],
+            "peak_before_state": max(sum(before_state.values()) + extra, found["step_peak"]),
             "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
             "logits": found["parts"].get("logits"),  # a language model's only
@@ -227,6 +240,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "window_tokens": window_tokens,
             "window_padded_tokens": window_padded,
             "largest_batch": list(out.peak.largest_batch),
+            "largest_before_state": out.peak.largest_before_state,
+            "largest_with_state": list(out.peak.largest_with_state),
         },
         job_dir,
     )

@@ -544,6 +544,11 @@ class TrainingMemory:
         self.optimizer_steps = 0  # optimizer steps that ran (the grad scaler may skip some)
         self.tracked_steps: list[int] = []
         self.largest_batch: tuple[int, ...] = (0,)  # the shape of the token ids of the largest batch
+        self.largest_before_state = (
+            False  # whether that batch's step began before any optimizer step (no state)
+        )
+        # the largest batch of a measured step that began with the state in place (CPU: a tracked one)
+        self.largest_with_state: tuple[int, ...] = (0,)
         self._most_tokens = 0
         self._optimizer = None
         self._depth = 0  # a wrapper optimizer's step (accelerate's) nests the real one
@@ -605,11 +610,14 @@ class TrainingMemory:
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         ids = max((t for t in inputs if not t.is_floating_point()), key=torch.numel, default=None)
         tokens = 0 if ids is None else ids.numel()
+        before_state = self.optimizer_steps == 0
         if tokens > math.prod(self.largest_batch):
-            self.largest_batch = tuple(ids.shape)
-        if self.on_cpu and (
-            self.track_steps is None or self.step <= self.track_steps or tokens > self._most_tokens
-        ):
+            self.largest_batch, self.largest_before_state = tuple(ids.shape), before_state
+        tracked = self.track_steps is None or self.step <= self.track_steps or tokens > self._most_tokens
+        measured = tracked or not self.on_cpu  # (CUDA's allocator sees every step)
+        if measured and not before_state and tokens > math.prod(self.largest_with_state):
+            self.largest_with_state = tuple(ids.shape)
+        if self.on_cpu and tracked:
             self._most_tokens = max(self._most_tokens, tokens)
             self.tracked_steps.append(self.step)
             self.cpu.track(self._live_tensors(inputs))  # what was made while untracked
