@@ -197,6 +197,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     if quiet.is_quiet():
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(QuietProgress())
+    keys = ("loss", *metric_keys(splits.task))  # the figures an evaluation gives
     with training_memory(cfg, spec, args.device, model) as peak, optimizer_step_mode(spec, args.device):
         if spec.in_backward:
             trainer.add_callback(UpdatedInBackward(peak))
@@ -213,13 +214,12 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     for entry in history:  # the periodic validation passes (the last step's is the final one, below)
         entry = with_perplexity(entry, "eval")
         if "eval_loss" in entry and entry["step"] < cfg.train.max_steps:
-            for key in ("loss", *metric_keys(splits.task)):
+            for key in keys:
                 if f"eval_{key}" in entry:
                     val_series.setdefault(key, {})[entry["step"]] = entry[f"eval_{key}"]
 
     def evaluated(dataset, prefix: str) -> dict[str, float]:
         metrics = with_perplexity(trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix), prefix)
-        keys = ("loss", *metric_keys(splits.task))
         return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
