@@ -90,7 +90,7 @@ def sqlite_path(uri: str) -> Path | None:
 
 def seed_sqlite(path: Path, outputs_dir) -> None:
     """A new sqlite store begins as a copy of an empty one that MLflow created and migrated once (kept in
-    pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions): MLflow's
+    pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions and this module): MLflow's
     migrations of a new file take seconds, a copy milliseconds. The copy holds no experiment: MLflow adds its
     Default one, with this store's artifact location and time, when it opens the store. Where the cache cannot
     be written (or the empty store cannot be made), nothing is copied and MLflow creates the schema itself."""
@@ -101,7 +101,9 @@ def seed_sqlite(path: Path, outputs_dir) -> None:
     from pipeline import cache
 
     folder = cache.folder(outputs_dir, "mlflow")
-    empty = folder / f"empty-{cache.key(*(version(p) for p in ('mlflow', 'sqlalchemy', 'alembic')))}.db"
+    # (made by these versions and this module: an edit elsewhere in the pipeline keeps it)
+    versions = [version(p) for p in ("mlflow", "sqlalchemy", "alembic")]
+    empty = folder / f"empty-{cache.key(*versions, code=cache.source_digest('tracking.py'))}.db"
     try:
         if not empty.exists():
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
