@@ -90,8 +90,8 @@ def sqlite_path(uri: str) -> Path | None:
 
 def seed_sqlite(path: Path, outputs_dir) -> None:
     """A new sqlite store begins as a copy of an empty one that MLflow created and migrated once (kept in
-    pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions and this module): MLflow's
-    migrations of a new file take seconds, a copy milliseconds. The copy holds no experiment: MLflow adds its
+    pipeline.cache's folder `mlflow/`, keyed by the MLflow, SQLAlchemy and alembic versions and this module):
+    MLflow's migrations of a new file take seconds, a copy milliseconds. The copy holds no experiment: MLflow adds its
     Default one, with this store's artifact location and time, when it opens the store. Where the cache cannot
     be written (or the empty store cannot be made), nothing is copied and MLflow creates the schema itself."""
     import shutil
