@@ -58,7 +58,7 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
     from accelerate.utils.memory import clear_device_cache
     from omegaconf import OmegaConf
 
-    from pipeline.memory import optimizer_state_size
+    from pipeline.state import optimizer_state_size
 
     fitting: dict[int, dict] = {}
 

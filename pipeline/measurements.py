@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import LABELS_IGNORED, StateSize, cache, distributed, optimizers
-from pipeline.memory import optimizer_state_size, paged_state_size, peak_rss_mb
+from pipeline.memory import peak_rss_mb
+from pipeline.state import optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer, peak_flops
 
 
@@ -166,6 +167,7 @@ PLAN_SOURCES = (
     "plan.py",
     "plan_ranks.py",
     "memory.py",
+    "state.py",
     "models.py",
     "muon.py",
     "backends/__init__.py",

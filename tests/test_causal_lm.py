@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from pipeline import backends, data, job, models, optimizers
 from pipeline.backends import next_token_accuracy
 from pipeline.config import ConfigError, validate
-from pipeline.memory import optimizer_state_size
 from pipeline.runner import config_hash, selection_metric
+from pipeline.state import optimizer_state_size
 from tests.conftest import compose_cfg
 from tests.test_memory import FAST_STEP, build
 

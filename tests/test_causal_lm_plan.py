@@ -106,7 +106,7 @@ def loss_without_upcast(logits, labels, vocab_size, num_items_in_batch=None, ign
 def test_a_tied_language_models_state_estimate_counts_the_tied_weight_once(optim):
     """gpt2-tiny as a language model ties its head to its token embedding: the estimate counts that weight once,
     as the optimizer's real state does, to the byte."""
-    from pipeline.memory import optimizer_state_size
+    from pipeline.state import optimizer_state_size
 
     cfg = compose_cfg("task=causal_lm", "model=gpt2-tiny", f"optim={optim}", "backend=accelerator")
     torch.manual_seed(0)

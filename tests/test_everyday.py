@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 
 from pipeline import MB, browse, job, models, optimizers
 from pipeline.job import short_mb
-from pipeline.memory import MemoryBudgetExceeded, optimizer_state_size
+from pipeline.memory import MemoryBudgetExceeded
 from pipeline.report import runs as runs_of_store
+from pipeline.state import optimizer_state_size
 from pipeline.tracking import Tracker
 from tests.conftest import CONF, ROOT, TINY, cli_env, compose_cfg, report_folder, run_cli, store, sweep_runs
 from tests.test_memory import one_step

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipeline import MB, models
-from pipeline.memory import StepBreakdown, TrainingMemory, indexed, optimizer_state_size, paged_state_size
+from pipeline.memory import StepBreakdown, TrainingMemory, indexed
+from pipeline.state import optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer
 from tests.conftest import TINY, cli_env, compose_cfg, run_cli, selects_gpu_tests, sweep_runs
 

@@ -3,7 +3,8 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
 from pipeline import MB, models, optimizers
-from pipeline.memory import PeakMemory, optimizer_state_size
+from pipeline.memory import PeakMemory
+from pipeline.state import optimizer_state_size
 from tests.conftest import ci_sample, compose_cfg, run_cli, sweep_runs
 
 

@@ -6,7 +6,7 @@ from transformers import Trainer, TrainingArguments
 
 from pipeline import models, optimizers
 from pipeline.config import ConfigError, validate
-from pipeline.memory import optimizer_state_size
+from pipeline.state import optimizer_state_size
 from tests.conftest import ci_sample, compose_cfg
 from tests.test_memory import FAST_STEP, CudaStaysPut, build, one_step
 

@@ -123,12 +123,12 @@ def meta_model(model_config, itemsize: int, task: str = "classification"):
 def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
     """The state an optimizer creates in one step, found with no memory at any model size: the registry's
     `build` on a model whose parameters are meta-device tensors, one `step()` with meta gradients, and the
-    state it made sized from shapes and dtypes as `pipeline.memory.optimizer_state_size` counts it (each storage
+    state it made sized from shapes and dtypes as `pipeline.state.optimizer_state_size` counts it (each storage
     once, Python scalars as their tensor dtype). MetaStepFailed, with why, when the step cannot run on meta
     (it reads a value, e.g. `.item()`, or calls a kernel that has no meta implementation)."""
     import torch
 
-    from pipeline.memory import optimizer_state_size
+    from pipeline.state import optimizer_state_size
 
     if spec.needs_cuda:  # AdaLomo puts its state on the GPU whatever its parameters' device
         raise MetaStepFailed(f"the optimizer cannot be built on meta tensors ({spec.needs_cuda})")
