@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.data import IGNORE_INDEX
+
 
 @dataclass
 class TrainOutput:
@@ -128,7 +130,7 @@ def next_token_accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
     logits, batch x sequence) is the token that follows: prediction i against label i + 1, the shift
     transformers' causal-LM loss makes; labels of -100 (padding) are left out."""
     predicted, target = np.asarray(predictions)[:, :-1], np.asarray(labels)[:, 1:]
-    kept = target != -100
+    kept = target != IGNORE_INDEX
     return float((predicted == target)[kept].mean())
 
 

@@ -24,6 +24,7 @@ from pipeline.backends import (
     optimizer_step_mode,
     training_memory,
 )
+from pipeline.data import IGNORE_INDEX
 from pipeline.measurements import model_size
 from pipeline.optimizers import LAYERWISE, LOMO
 
@@ -57,7 +58,7 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="e
             if causal:  # each text's (right next tokens, positions with a label): the whole vocabulary's
                 # logits of a split would not fit in memory
                 predicted, target = out.logits.argmax(dim=-1)[:, :-1], batch["labels"][:, 1:]
-                kept = target != -100
+                kept = target != IGNORE_INDEX
                 counts = torch.stack([((predicted == target) & kept).sum(-1), kept.sum(-1)], dim=-1)
                 labels.append(accelerator.gather_for_metrics(counts).cpu().numpy())
                 continue
