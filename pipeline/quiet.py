@@ -9,7 +9,8 @@ What is left out by default, each at its source (never by hiding a stream, so er
   loaded at import: `transformers.trainer` imports torchao for every job), logger `torchao`;
 - torch's "<enum ...> is an Enum subclass and is now natively supported" deprecation warnings, which torchao's
   import triggers (logger `torch.utils._pytree`);
-- bitsandbytes' "Failed to load CPU gemm_4bit_forward" (an optional CPU kernel from a package not installed)
+- bitsandbytes' "Failed to load CPU gemm_4bit_forward" and the `kernels` package's "Skipping publisher trust
+  check" for that kernel (an optional CPU kernel bitsandbytes asks the Hub for, which offline it does not get)
   and galore-torch's FutureWarning that its own AdamW is deprecated;
 - transformers' LOAD REPORT table (logger `transformers.modeling_utils`) when all it lists is the
   classification head missing from a pretrained checkpoint, which fine-tuning a classifier expects: one line
@@ -110,8 +111,13 @@ NOISE = {
     "torchao": ("Failed to load ", _no_cuda),
     "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported", lambda: True),
     "torchao.kernel.intmm": ("Warning: Detected no triton", _no_cuda),  # triton's kernels are CUDA's
-    # bitsandbytes' optional fast CPU 4-bit kernel, from the `kernels` package (not installed): the plain one runs
+    # bitsandbytes' optional fast CPU 4-bit kernel, which it asks the `kernels` package (a dependency of
+    # transformers) to fetch from the Hub when bitsandbytes is imported; offline, the plain kernel runs
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward", lambda: True),
+    "kernels._internals.hf_hub": (
+        "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
+        lambda: True,
+    ),
 }
 # Python warnings a quiet console leaves out: (message start, category)
 WARNINGS = [
