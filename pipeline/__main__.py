@@ -24,6 +24,7 @@ from pipeline.keys import check_keys  # noqa: E402
 GROUP_HELP = {
     "optim": "the optimizer and its settings, docs/optimizers.md",
     "model": "the model fine-tuned (tiny: 1M parameters, for tests; the decoders also as language models)",
+    "peft": "full fine-tuning (none) or LoRA adapters on a frozen base (lora), a 4-bit one (qlora), docs/config.md",
     "task": "classification (a head over the data's labels) or causal_lm (a decoder's next-token loss on the text)",
     "data": "the dataset (csv: your own files, data.train_file and data.eval_file)",
     "backend": "the training loop, the HF Trainer (an optim= string) or an Accelerate loop (the object)",

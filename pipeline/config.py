@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
+from pipeline import adapters
 from pipeline.data import FILE_BUILDERS, PACKAGED
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
@@ -33,7 +34,7 @@ MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need wh
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("optim", "model", "task", "data", "backend", "tracking", "launcher")
+GROUPS = ("optim", "model", "task", "peft", "data", "backend", "tracking", "launcher")
 TRACKING_KEYS = ("tracking.uri", "outputs_dir")  # what the store check reads
 
 
@@ -136,6 +137,7 @@ def _null_or(ok):
 
 CHOICES = {
     "task.name": TASKS,
+    "peft.name": adapters.METHODS,
     "backend.name": BACKENDS,
     "data.loader": DATA_LOADERS,
     "train.precision": PRECISIONS,
@@ -238,6 +240,65 @@ def _check_in_backward(cfg: DictConfig) -> None:
                 f"optim={name} needs a CUDA device: {spec.needs_cuda}, and torch sees none here",
                 ("optim.name",),
             )
+
+
+def _check_peft(cfg: DictConfig) -> None:
+    """peft=lora / qlora: the adapter's settings, the 4-bit base's (and bitsandbytes for it), the default
+    target modules of the model's family; and the optimizers that cannot train adapters."""
+    import importlib.util
+
+    kind = cfg.peft.name
+    if kind == "none":
+        return
+    _check(cfg, "peft.r", _positive_int, "must be a positive integer (the adapters' rank)")
+    _check(cfg, "peft.alpha", _positive_number, "must be a number > 0")
+    _check(cfg, "peft.dropout", lambda v: isinstance(v, Real) and 0 <= v < 1, "must be in [0, 1)")
+    _check_boolean(cfg, "peft.save_adapter")
+    _check(
+        cfg,
+        "peft.target_modules",
+        lambda v: (
+            v is None
+            or v == adapters.ALL_LINEAR
+            or (not isinstance(v, str) and len(v) > 0 and all(isinstance(t, str) for t in v))
+        ),
+        f"must be null (the family's attention projections), {adapters.ALL_LINEAR} or a list of module names",
+    )
+    if cfg.peft.target_modules is None:
+        from pipeline.models import model_type
+
+        family = model_type(cfg.model)
+        if family not in adapters.TARGETS:
+            raise ConfigError(
+                f"peft.target_modules=null is invalid with model={cfg.model.name}: no default target modules "
+                f"for its family ({family}; those with one: {', '.join(adapters.TARGETS)}); name them, "
+                f"peft.target_modules=[...], or peft.target_modules={adapters.ALL_LINEAR}",
+                ("peft.target_modules", "model.name"),
+            )
+    if kind == "qlora":
+        _check_choice(cfg, "peft.quant_type", adapters.QUANT_TYPES)
+        _check_boolean(cfg, "peft.double_quant")
+        if cfg.peft.compute_dtype is not None:
+            _check_choice(cfg, "peft.compute_dtype", adapters.COMPUTE_DTYPES)
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                f"peft=qlora needs the package bitsandbytes (its 4-bit layers): install the optional extra "
+                f"with pip install -e '.[{EXTRA}]' (make install does)",
+                ("peft.name",),
+            )
+    spec = spec_for(cfg.optim)
+    if spec.frozen_base:
+        raise ConfigError(
+            f"optim={cfg.optim.name} is invalid with peft={kind}: {spec.frozen_base} (an optimizer that keeps "
+            "state for the trainable parameters only: optim=lomo, adamw, ...; or peft=none)",
+            ("optim.name", "peft.name"),
+        )
+    if cfg.plan:
+        raise ConfigError(
+            f"plan=true is invalid with peft={kind}: the plan simulates full fine-tuning only (peft=none); "
+            "measure an adapter's step by training",
+            ("plan", "peft.name"),
+        )
 
 
 def _check_boolean(cfg: DictConfig, key: str) -> None:
@@ -396,6 +457,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_search_alone, cfg)
     yield partial(_check_positions, cfg)
     yield partial(_check_task_model, cfg)
+    yield partial(_check_peft, cfg)
     yield partial(check_tracking_uri, cfg)
     if cfg.data.loader == "files":
         for key in ("data.train_file", "data.eval_file"):

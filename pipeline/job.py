@@ -26,7 +26,7 @@ def load(cfg: DictConfig):
     """The job's tokenizer, tokenized splits (their `inputs`: the splits as read, for MLflow) and model."""
     import torch
 
-    from pipeline import data, models
+    from pipeline import adapters, data, models
 
     # the data first: the model's classes are the splits' labels; then the tokenizer and the model, whose
     # vocabulary the tokenized splits keep to
@@ -38,6 +38,11 @@ def load(cfg: DictConfig):
     if cfg.train.precision == "bf16_pure":
         # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
         model.to(torch.bfloat16)
+    if (
+        cfg.peft.name != "none"
+    ):  # adapters on the frozen base, qlora's 4-bit base quantized where the job trains
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+        model = adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, device)
     splits = data.tokenize(
         splits, tokenizer, cfg.train.max_length, models.vocab_size(model), cfg.task.name, cfg.train.packing
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import LABELS_IGNORED, StateSize, cache, distributed, optimizers
+from pipeline import LABELS_IGNORED, StateSize, adapters, cache, distributed, optimizers
 from pipeline.memory import peak_rss_mb
 from pipeline.state import optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer, peak_flops
@@ -61,7 +61,8 @@ def model_flops(model) -> tuple[int, int]:
     parameter; L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their weighted
     sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T positions."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in embeddings)
+    distinct = {id(p): p for p in model.parameters()}.values()
+    n = sum(adapters.weights(p) for p in distinct if id(p) not in embeddings)
     config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -70,8 +71,9 @@ def model_flops(model) -> tuple[int, int]:
 
 def model_size(model) -> tuple[int, tuple[int, int]]:
     """(parameters, model_flops) of the whole model; a backend counts them before any wrapper (FSDP) shards
-    it, after which each rank's parameters hold its shard only (TrainOutput.num_params, .flops)."""
-    return sum(p.numel() for p in model.parameters()), model_flops(model)
+    it, after which each rank's parameters hold its shard only (TrainOutput.num_params, .flops). A 4-bit weight
+    (peft=qlora) counts the weights it holds, two a byte."""
+    return sum(adapters.weights(p) for p in model.parameters()), model_flops(model)
 
 
 def flops_per_token(flops: tuple[int, int], positions: float) -> float:
@@ -121,6 +123,10 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
         return {}
     if spec.in_backward:
         return {"prediction_method": "none: the optimizer updates inside the backward pass"}
+    if adapters.name(cfg) != "none":
+        return {
+            "prediction_method": f"none: the plan simulates full fine-tuning only, not peft={cfg.peft.name}"
+        }
     cuda = next(model.parameters()).device.type == "cuda"
     out = {}
     for rank, record in enumerate(ranks):
@@ -257,6 +263,9 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         measured = [r["peak_memory_mb"] for r in ranks.records]
         memory.update(prediction(cfg, spec, model, collate.input_names, paged_mb, ranks.records, measured))
     method = memory.pop("prediction_method", None)  # a tag, not a metric
+    peft_metrics, peft_params = adapters.figures(cfg, model)
+    if peft_metrics and "peak_params_mb" in memory:  # the weights at the peak less the trainable ones
+        memory["peak_frozen_params_mb"] = memory["peak_params_mb"] - peft_metrics["trainable_weights_mb"]
     tokens = sum(r["tokens"] for r in ranks.records)
     metrics = {
         "model_num_params": num_params,
@@ -271,6 +280,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         "optimizer_steps_skipped": steps_skipped,
         **({} if train_step_ms is None else {"train_step_ms": train_step_ms}),
         **memory,
+        **peft_metrics,
         "peak_rss_mb": peak_rss_mb(),  # (read last: the process's high-water mark, the plan's simulation in it)
         "train_loss_final": out.losses[-1],
         **speed,
@@ -319,6 +329,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "optim_variant": choice.variant or "plain",
             "optim_settings": settings,
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
+            **peft_params,
         },
         "tags": tags,
     }

@@ -309,6 +309,16 @@ class PeakMemory:
 LOGITS = "Logits"
 
 
+class _NoHook:
+    """The handle of a hook that was never registered (StepBreakdown.track_external)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class StepBreakdown(MemTracker):
     """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state, a language model's
     logits apart from the other activations and temporaries, and what the allocator holds that no tensor
@@ -338,6 +348,16 @@ class StepBreakdown(MemTracker):
 
     def _on_device(self, snapshot) -> dict:
         return next((v for d, v in snapshot.items() if d.type == self.device.type), {})
+
+    def track_external(self, *external) -> None:
+        # MemTracker registers a gradient hook on every parameter a module's forward sees, which torch refuses
+        # for a frozen one (peft=lora / qlora's base): a frozen parameter, which never has a gradient, gets none
+        for module in external:
+            if isinstance(module, torch.nn.Module):
+                for p in module.parameters():
+                    if not p.requires_grad:
+                        self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+        super().track_external(*external)
 
     def __enter__(self):
         super().__enter__()

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import learning_rate
+from pipeline import adapters, learning_rate
 from pipeline.config import ConfigError, validate
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 from pipeline.optimizers import ADDED_SETTINGS
@@ -30,12 +30,21 @@ from pipeline.optimizers import ADDED_SETTINGS
 SKIPPED_FILE = "skipped.txt"  # in a job folder: the point had FINISHED before (holds that run's id)
 
 
+def method_suffix(cfg: DictConfig) -> str:
+    """A PEFT run's method in its name, after the optimizer (`adamw-lora-r16-...`, `adamw-qlora-r16-nf4-...`);
+    nothing for full fine-tuning."""
+    if adapters.name(cfg) == "none":
+        return ""
+    return "-" + adapters.method(cfg).replace(" ", "-").replace("=", "")
+
+
 def run_name(cfg: DictConfig) -> str:
     budget = cfg.memory_budget_mb
     what = f"bs{cfg.batch_size}" if not cfg.find_batch_size else f"fit{budget}MB" if budget else "fit-device"
     if cfg.get("plan"):
         what = f"plan-bs{cfg.batch_size}" + (f"-{cfg.device_memory}" if cfg.device_memory else "")
-    name = f"{cfg.optim.name}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
+    optim = cfg.optim.name + method_suffix(cfg)
+    name = f"{optim}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if nproc != 1:  # a multi-process job: its ranks and sharding
         name += f"-x{nproc}" + (
@@ -55,6 +64,8 @@ def job_params(cfg: DictConfig) -> dict:
         "optim": cfg.optim.name,
         "model": cfg.model.name,
         "task": cfg.task.name,
+        "method": adapters.method(cfg),  # full, lora r=16, qlora r=16 nf4
+        **peft_params(cfg),
         "data": cfg.data.name,
         "backend": cfg.backend.name,
         "batch_size": cfg.batch_size,
@@ -84,6 +95,15 @@ def job_params(cfg: DictConfig) -> dict:
         # a custom optimizer's class (module.Class), beside the name its runs carry
         **({"optim_target": cfg.optim.target} if cfg.optim.get("target") else {}),
     }
+
+
+def peft_params(cfg: DictConfig) -> dict:
+    """A PEFT run's settings as params (`peft_r`, `peft_alpha`, ...; its resolved targets come from the job);
+    none for full fine-tuning."""
+    if adapters.name(cfg) == "none":
+        return {}
+    keys = ("r", "alpha", "dropout", "quant_type", "double_quant", "compute_dtype", "save_adapter")
+    return {f"peft_{k}": cfg.peft[k] for k in keys if k in cfg.peft}
 
 
 @dataclass
@@ -280,6 +300,8 @@ def config_hash(cfg: DictConfig) -> str:
         del point["train"]["packing"]
     if point.get("task", {}).get("name") == "classification":
         del point["task"]
+    if point.get("peft", {}).get("name") == "none":
+        del point["peft"]
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)

@@ -151,9 +151,15 @@ def meta_estimate(spec: OptimizerSpec, cfg, model) -> StateSize:
 
 
 def estimate_custom(params, cfg, variant=None, model_config=None) -> StateSize:
-    """optim=custom: no analytic model, the meta-device step on the model its config describes."""
+    """optim=custom: no analytic model, the meta-device step on the model its config describes (with its
+    adapters under peft=lora / qlora: the trainable parameters are the same on an unquantized base)."""
+    from pipeline import adapters
+
     task = OmegaConf.select(cfg, "task.name", default="classification")
-    return meta_estimate(CUSTOM, cfg, meta_model(model_config, params[0].itemsize, task))
+    model = meta_model(model_config, params[0].itemsize, task)
+    if adapters.name(cfg) != "none":
+        model = adapters.apply(model, cfg.peft, task, model_config.model_type, "meta", quantized=False)
+    return meta_estimate(CUSTOM, cfg, model)
 
 
 # --- the registry's row -----------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from pipeline.optimizers.spec import FP32, LAYERWISE, LOMO, OptimizerSpec, size,
 from pipeline.optimizers.transformers_optim import adafactor_built
 
 ADALOMO_NEEDS_CUDA = "AdaLomo (lomo-optim) allocates its state with .cuda()"
+# lomo-optim's AdaLomo allocates its second moment for every parameter of the model, trainable or not
+ADALOMO_FROZEN_BASE = "it keeps a second moment for every weight of the model, the frozen base's too"
 
 # --- LOMO and AdaLomo -------------------------------------------------------------------------------------
 
@@ -151,6 +153,7 @@ ENTRIES = [
         requires=("lomo_optim",),
         in_backward=LOMO,
         needs_cuda=ADALOMO_NEEDS_CUDA,
+        frozen_base=ADALOMO_FROZEN_BASE,
     ),
     OptimizerSpec(
         name="galore_adamw_layerwise",

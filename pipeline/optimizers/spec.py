@@ -121,6 +121,8 @@ class OptimizerSpec:
     # a post-accumulate-grad hook); None: an ordinary `optimizer.step()` after backward
     in_backward: str | None = None
     needs_cuda: str | None = None  # why it cannot run without a CUDA device (one line), None when it can
+    # why it cannot train adapters on a frozen base (peft=lora / qlora: one line), None when it can
+    frozen_base: str | None = None
 
     def trainer_string(self, cfg) -> str | None:
         """The Trainer's `optim=` string when its path builds this optimizer with the config's settings; None

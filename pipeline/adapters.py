@@ -1,0 +1,233 @@
+"""Parameter-efficient fine-tuning (peft=lora / qlora) of a job's model: LoRA adapters (Hugging Face peft) on a
+frozen base, for QLoRA the base's Linear layers in 4 bits (bitsandbytes Linear4bit); the method's name, the
+trainable count, the frozen weights, and the 4-bit base's bytes measured and by formula.
+
+peft=none leaves the model as it is (full fine-tuning). Torch, peft and bitsandbytes are imported inside the
+functions, so the config can be checked (and the method named) before any heavy import.
+"""
+
+from __future__ import annotations
+
+from math import ceil, prod
+
+from pipeline import MB
+
+METHODS = ("none", "lora", "qlora")
+ALL_LINEAR = "all-linear"  # peft's own: every Linear but the output layer
+QUANT_TYPES = ("nf4", "fp4")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+
+# the Linear layers LoRA adapts when peft.target_modules is null, by model type: each family's attention
+# projections, query, key, value and output (names as peft matches them: a module's name or its last parts)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = {
+    "bert": ("query", "key", "value", "attention.output.dense"),  # BERT, MiniLM, model=tiny
+    "roberta": ("query", "key", "value", "attention.output.dense"),
+    "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin"),
+    "llama": ATTENTION,
+    "qwen2": ATTENTION,
+    "mistral": ATTENTION,
+    "gpt2": ("attn.c_attn", "attn.c_proj"),  # GPT-2's Conv1D layers (weights stored transposed)
+}
+# the head: trained in full by a classifier (peft's sequence-classification task type keeps a trainable copy of
+# every module whose name ends in `classifier` / `score`, DistilBERT's pre_classifier too, the original frozen
+# beside it), frozen in a language model; never quantized
+HEADS = ("classifier", "score", "lm_head")
+
+# bitsandbytes' 4-bit layout: two weights a byte, one absmax per block of 64 weights (fp32; with double
+# quantization uint8, with an fp32 absmax per 256 of them, an fp32 offset and a 256-entry fp32 code of their
+# own), and each layer's 16-entry fp32 code (the quantization map: NF4's or FP4's values)
+BLOCK, NESTED_BLOCK, CODE, NESTED_CODE, FP32 = 64, 256, 16, 256, 4
+TASK_TYPES = {"classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def name(cfg) -> str:
+    """peft.name of a config, `none` where the config has no peft group (a config from before it)."""
+    peft = cfg.get("peft") if hasattr(cfg, "get") else None
+    return "none" if peft is None else str(peft.get("name", "none"))
+
+
+def method(cfg) -> str:
+    """The method a run trains with, as tables name it: `full`, `lora r=16`, `qlora r=16 nf4`."""
+    kind = name(cfg)
+    if kind == "none":
+        return "full"
+    text = f"{kind} r={cfg.peft.r}"
+    return f"{text} {cfg.peft.quant_type}" if kind == "qlora" else text
+
+
+def targets(peft_cfg, model_type: str) -> list[str] | str:
+    """The modules LoRA adapts: peft.target_modules, or the family's default (TARGETS)."""
+    chosen = peft_cfg.target_modules
+    if chosen is None:
+        if model_type not in TARGETS:
+            raise ValueError(
+                f"peft.target_modules=null: no default target modules for model type {model_type} (the families "
+                f"with one: {', '.join(TARGETS)}); name them (peft.target_modules=[...]) or use all-linear"
+            )
+        return list(TARGETS[model_type])
+    return chosen if isinstance(chosen, str) else [str(t) for t in chosen]
+
+
+def targets_text(chosen) -> str:
+    """Target modules as one param: `all-linear`, or the names in order (peft keeps them as a set)."""
+    return chosen if isinstance(chosen, str) else ",".join(sorted(chosen))
+
+
+def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quantized: bool = True):
+    """The model a job trains under `peft_cfg`: itself (peft=none), or peft's model with LoRA adapters on the
+    target modules and the rest frozen, for qlora over a base whose Linear layers (all but the head) are 4-bit,
+    quantized on `device` (where the job trains: bitsandbytes quantizes as a weight moves to its device).
+    `quantized=False`: qlora's adapters on a base left as it is (the same trainable parameters, e.g. on the meta
+    device, where nothing can be quantized)."""
+    if peft_cfg.name == "none":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    quantized = quantized and peft_cfg.name == "qlora"
+    if quantized:
+        quantize(model, peft_cfg, device)
+    config = LoraConfig(
+        task_type=TASK_TYPES[task],
+        r=peft_cfg.r,
+        lora_alpha=peft_cfg.alpha,
+        lora_dropout=peft_cfg.dropout,
+        target_modules=targets(peft_cfg, model_type),
+        # GPT-2's Conv1D keeps its weight as (in, out); a 4-bit copy of it is a Linear's (out, in)
+        fan_in_fan_out=model_type == "gpt2" and not quantized,
+    )
+    return get_peft_model(model, config)
+
+
+def compute_dtype(peft_cfg, weights_dtype):
+    import torch
+
+    chosen = peft_cfg.get("compute_dtype")
+    return weights_dtype if chosen is None else getattr(torch, DTYPES[chosen])
+
+
+def quantize(model, peft_cfg, device: str) -> None:
+    """Every Linear (and GPT-2's Conv1D) of the model but the head, in place, as a frozen bitsandbytes
+    Linear4bit quantized on `device`. Its quantization constants (absmax, codes, offset) become non-persistent
+    buffers of the layer, so that whatever counts a model's weights (the peak trackers, the breakdown) counts
+    them too; they are the same tensors the layer computes with."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    double = bool(peft_cfg.double_quant)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name.endswith(HEADS) or not isinstance(child, (torch.nn.Linear, Conv1D)):
+                continue
+            weight = child.weight.data if isinstance(child, torch.nn.Linear) else child.weight.data.t()
+            out_features, in_features = weight.shape
+            layer = bnb.nn.Linear4bit(
+                in_features,
+                out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype(peft_cfg, weight.dtype),
+                compress_statistics=double,
+                quant_type=peft_cfg.quant_type,
+                device="meta",
+            )
+            layer.weight = bnb.nn.Params4bit(
+                weight.contiguous(),
+                requires_grad=False,
+                compress_statistics=double,
+                quant_type=peft_cfg.quant_type,
+                module=layer,
+            )
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            layer = layer.to(device)  # quantizes the weight
+            # bitsandbytes' CPU inference path (eval mode, no grad, an AVX512-BF16 CPU) repacks the weight and
+            # its absmax in place, for good, in another layout (and fails for inputs under 64 features): the
+            # layer keeps the layout it trains with
+            layer.support_avx512bf16_for_cpu = False
+            for key, tensor in quant_constants(layer.weight.quant_state).items():
+                layer.register_buffer(key, tensor, persistent=False)
+            setattr(parent, child_name, layer)
+
+
+def quant_constants(state) -> dict:
+    """The tensors of a 4-bit weight's quantization state besides the packed weight, by buffer name."""
+    found = {"weight_absmax": state.absmax, "weight_code": state.code}
+    if state.nested:
+        found |= {
+            "weight_nested_absmax": state.state2.absmax,
+            "weight_nested_code": state.state2.code,
+            "weight_offset": state.offset,
+        }
+    return found
+
+
+def is_4bit(p) -> bool:
+    """A bitsandbytes 4-bit weight (Params4bit): two weights packed in each byte, its shape the quantized one."""
+    return getattr(p, "quant_state", None) is not None
+
+
+def weights(p) -> int:
+    """The weights a parameter holds: a 4-bit one's are those of its original shape."""
+    return prod(p.quant_state.shape) if is_4bit(p) else p.numel()
+
+
+def quantized_bytes(shape, double_quant: bool) -> int:
+    """The bytes of one weight of `shape` in 4 bits, by formula: the packed weights, the absmax per block of 64
+    (fp32, or uint8 with double quantization's fp32 absmax per 256 of them, fp32 offset and 256-entry code), the
+    16-entry fp32 code."""
+    n = prod(shape)
+    blocks = ceil(n / BLOCK)
+    constants = blocks * FP32
+    if double_quant:
+        constants = blocks + ceil(blocks / NESTED_BLOCK) * FP32 + FP32 + NESTED_CODE * FP32
+    return ceil(n / 2) + constants + CODE * FP32
+
+
+def measured_quantized_bytes(model) -> int:
+    """The 4-bit base's bytes as held: every 4-bit weight's storage and its quantization constants."""
+    total = 0
+    for p in model.parameters():
+        if is_4bit(p):
+            state = p.quant_state
+            total += p.untyped_storage().nbytes()
+            total += sum(t.untyped_storage().nbytes() for t in quant_constants(state).values())
+    return total
+
+
+def estimated_quantized_bytes(model, double_quant: bool) -> int:
+    return sum(quantized_bytes(p.quant_state.shape, double_quant) for p in model.parameters() if is_4bit(p))
+
+
+def trainable_params(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def figures(cfg, model) -> tuple[dict, dict]:
+    """A PEFT run's (metrics, params): the trainable count, the trainable and frozen weights' bytes (the frozen
+    ones with the buffers and a 4-bit base's constants), the 4-bit base's bytes measured and by formula; its
+    targets as peft resolved them and the trainable count. None for full fine-tuning."""
+    if name(cfg) == "none":
+        return {}, {}
+    held = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    trainable = sum(t.untyped_storage().nbytes() for t in held if t.requires_grad)
+    frozen = sum(t.untyped_storage().nbytes() for t in held if not t.requires_grad)
+    count = trainable_params(model)
+    metrics = {
+        "trainable_params": count,
+        "trainable_weights_mb": trainable / MB,
+        "frozen_weights_mb": frozen / MB,
+    }
+    if name(cfg) == "qlora":
+        measured = measured_quantized_bytes(model)
+        metrics |= {
+            "quantized_weights_bytes": measured,
+            "quantized_weights_mb": measured / MB,
+            "estimated_quantized_weights_bytes": estimated_quantized_bytes(model, cfg.peft.double_quant),
+        }
+    params = {
+        "peft_targets": targets_text(model.peft_config["default"].target_modules),  # as peft resolved them
+        "trainable_params": count,
+    }
+    return metrics, params
