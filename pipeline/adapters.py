@@ -13,6 +13,9 @@ from math import ceil, prod
 from pipeline import MB
 
 METHODS = ("none", "lora", "qlora")
+# the keys each method reads (every option of conf/peft has all of them, so that one sweep sets them for all)
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "save_adapter")
+KEYS = {"none": (), "lora": LORA_KEYS, "qlora": (*LORA_KEYS, "quant_type", "double_quant", "compute_dtype")}
 ALL_LINEAR = "all-linear"  # peft's own: every Linear but the output layer
 QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
@@ -46,6 +49,11 @@ def name(cfg) -> str:
     """peft.name of a config, `none` where the config has no peft group (a config from before it)."""
     peft = cfg.get("peft") if hasattr(cfg, "get") else None
     return "none" if peft is None else str(peft.get("name", "none"))
+
+
+def used(peft: dict) -> dict:
+    """The peft group's keys that its method reads (a config hash, the params): `name` and KEYS[name]."""
+    return {k: v for k, v in peft.items() if k == "name" or k in KEYS.get(peft.get("name"), ())}
 
 
 def method(cfg) -> str:
@@ -97,7 +105,9 @@ def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quan
         # GPT-2's Conv1D keeps its weight as (in, out); a 4-bit copy of it is a Linear's (out, in)
         fan_in_fan_out=model_type == "gpt2" and not quantized,
     )
-    return get_peft_model(model, config)
+    # the adapters in the weights' dtype (peft would make them fp32 under bf16 weights): train.precision says
+    # what the trainable weights are, bf16 under bf16_pure
+    return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def compute_dtype(peft_cfg, weights_dtype):

@@ -189,6 +189,8 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     sequence length (any batch size, seed or optimizer), the optimizer step by model and optimizer settings."""
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
+    if adapters.name(cfg) == "none":  # full fine-tuning's steps as kept before the peft group existed
+        point.pop("peft", None)
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
     store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions(), sources=PLAN_SOURCES)

@@ -100,10 +100,8 @@ def job_params(cfg: DictConfig) -> dict:
 def peft_params(cfg: DictConfig) -> dict:
     """A PEFT run's settings as params (`peft_r`, `peft_alpha`, ...; its resolved targets come from the job);
     none for full fine-tuning."""
-    if adapters.name(cfg) == "none":
-        return {}
-    keys = ("r", "alpha", "dropout", "quant_type", "double_quant", "compute_dtype", "save_adapter")
-    return {f"peft_{k}": cfg.peft[k] for k in keys if k in cfg.peft}
+    used = adapters.used(OmegaConf.to_container(cfg.peft)) if "peft" in cfg else {}
+    return {f"peft_{k}": v for k, v in used.items() if k not in ("name", "target_modules")}
 
 
 @dataclass
@@ -302,6 +300,8 @@ def config_hash(cfg: DictConfig) -> str:
         del point["task"]
     if point.get("peft", {}).get("name") == "none":
         del point["peft"]
+    elif "peft" in point:  # the keys its method reads (lora has qlora's too, unused)
+        point["peft"] = adapters.used(point["peft"])
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)

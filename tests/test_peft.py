@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from pipeline import MB, adapters, models, optimizers
 from pipeline.config import ConfigError, validate
+from pipeline.keys import check_keys
 from pipeline.runner import config_hash
 from pipeline.state import optimizer_state_size
 from tests.conftest import compose_cfg, run_cli, store
@@ -141,6 +142,15 @@ def test_full_fine_tuning_keeps_the_config_hash_of_earlier_points():
     lora = compose_cfg("peft=lora")
     assert len({config_hash(cfg), config_hash(lora), config_hash(compose_cfg("peft=qlora"))}) == 3
     assert config_hash(compose_cfg("peft=lora", "peft.r=8")) != config_hash(lora)
+    # a key the method does not read (set for a sweep's other points) leaves its point as it is
+    assert config_hash(compose_cfg("peft.r=8")) == config_hash(cfg)
+    assert config_hash(compose_cfg("peft=lora", "peft.double_quant=false")) == config_hash(lora)
+
+
+def test_one_sweep_sets_the_adapters_keys_for_every_method():
+    check_keys(["peft=none,lora,qlora", "peft.r=8", "peft.quant_type=fp4"])  # every option has every key
+    with pytest.raises(ConfigError, match=r"^peft.rank=8 is invalid: no key rank in peft=none "):
+        check_keys(["peft=none,lora", "peft.rank=8"])
 
 
 def test_the_method_names_the_run():
