@@ -96,7 +96,7 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
     (`pipeline.optimizers.choose`)."""
     import torch
 
-    from pipeline import backends, data, measurements, optimizers, plan
+    from pipeline import adapters, backends, data, measurements, optimizers, plan
 
     budget = cfg.memory_budget_mb
     if budget is None and not torch.cuda.is_available():
@@ -113,8 +113,12 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
         backends.get(cfg.backend.name).train,
     )
 
-    metrics = {"max_batch_size": best, "model_num_params": sum(p.numel() for p in model.parameters())}
-    if budget is not None:  # the plan's answer for the same worst case (every text max_length tokens)
+    metrics = {
+        "max_batch_size": best,
+        "model_num_params": sum(adapters.weights(p) for p in model.parameters()),
+    }
+    # the plan's answer for the same worst case (every text max_length tokens); it simulates full fine-tuning only
+    if budget is not None and adapters.name(cfg) == "none":
         cuda = torch.cuda.is_available()
         names = tuple(tokenizer.model_input_names)
         simulated = plan.simulate(model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names)
