@@ -253,3 +253,25 @@ def test_bf16_pure_adapters_are_bf16_and_their_state_is_estimated(peft):
     assert optimizer_state_size(optimizer) == spec.estimate(
         optimizers.param_infos(model), cfg, None, model.config
     )
+
+
+def test_gpt2_conv1d_layers_become_4bit_linears_of_the_same_weights():
+    """GPT-2 keeps its projections as Conv1D (weight: in x out): LoRA adapts them as they are, QLoRA's 4-bit
+    copy is a Linear's (out x in) that dequantizes to the same weights."""
+    import bitsandbytes.functional as bnbf
+    from transformers.pytorch_utils import Conv1D
+
+    cfg, lora = peft_model("gpt2-tiny", "peft=lora")
+    a = cfg.model.architecture
+    per_layer = 16 * (a.n_embd + 3 * a.n_embd) + 16 * (a.n_embd + a.n_embd)  # attn.c_attn, attn.c_proj
+    assert lora.get_nb_trainable_parameters()[0] == a.n_layer * per_layer + a.n_embd * 2  # + the score head
+    torch.manual_seed(0)
+    model = models.load_model(cfg.model, num_labels=2)
+    conv = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, Conv1D)}
+    adapters.quantize(model, compose_cfg("peft=qlora").peft, "cpu")
+    for name, layer in model.named_modules():
+        if name in conv:
+            state = layer.weight.quant_state
+            weight = bnbf.dequantize_4bit(layer.weight.data, state)
+            assert tuple(weight.shape) == tuple(conv[name].t().shape), name
+            assert torch.nn.functional.cosine_similarity(weight.flatten(), conv[name].t().flatten(), 0) > 0.99
