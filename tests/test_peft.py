@@ -187,7 +187,7 @@ def peft_runs(tmp_path_factory):
     return runs, saved
 
 
-@pytest.mark.slow  # why: four tiny CLI jobs, about 50 s on 2 cores
+@pytest.mark.slow  # why: four tiny CLI jobs, about 25 s on 2 cores
 def test_every_method_runs_and_logs_its_figures(peft_runs):
     peft_runs, saved = peft_runs
     assert set(peft_runs) == {
