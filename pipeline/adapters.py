@@ -78,9 +78,13 @@ def targets(peft_cfg, model_type: str) -> list[str] | str:
     return chosen if isinstance(chosen, str) else [str(t) for t in chosen]
 
 
-def targets_text(chosen) -> str:
-    """Target modules as one param: `all-linear`, or the names in order (peft keeps them as a set)."""
-    return chosen if isinstance(chosen, str) else ",".join(sorted(chosen))
+def targets_text(peft_cfg, found) -> str:
+    """The adapted modules (`found`: as peft resolved them) as one param: the names asked for, in order
+    (`attention.output.dense,key,query,value`); for all-linear the layers' own names, not every module's path
+    (`all-linear: down_proj,gate_proj,...`)."""
+    if peft_cfg.target_modules == ALL_LINEAR:
+        return f"{ALL_LINEAR}: " + ",".join(sorted({t.split(".")[-1] for t in found}))
+    return ",".join(sorted(found))
 
 
 def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quantized: bool = True):
@@ -237,7 +241,7 @@ def figures(cfg, model) -> tuple[dict, dict]:
             "estimated_quantized_weights_bytes": estimated_quantized_bytes(model, cfg.peft.double_quant),
         }
     params = {
-        "peft_targets": targets_text(model.peft_config["default"].target_modules),  # as peft resolved them
+        "peft_targets": targets_text(cfg.peft, model.peft_config["default"].target_modules),
         "trainable_params": count,
     }
     return metrics, params

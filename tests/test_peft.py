@@ -54,6 +54,15 @@ def test_trainable_parameters_by_hand_equal_peft_count(model_name):
         assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_language_models_head_stays_frozen():
+    cfg = compose_cfg("model=llama-tiny", "peft=lora", "task=causal_lm")
+    model = models.load_model(cfg.model, num_labels=2, task="causal_lm")
+    model = adapters.apply(model, cfg.peft, "causal_lm", "llama")
+    head = cfg.model.architecture.hidden_size * 2  # the classifier's score head lora_by_hand counts
+    assert adapters.trainable_params(model) == lora_by_hand(cfg, 16) - head
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lm_head" in n)
+
+
 # CI's in-process rows: one full-precision state, one block-wise 8-bit, one factored; on both bases
 @pytest.mark.parametrize("optim", ["adamw", "adamw_8bit", "adafactor"])
 @pytest.mark.parametrize("peft", ["lora", "qlora"])
@@ -151,6 +160,19 @@ def test_one_sweep_sets_the_adapters_keys_for_every_method():
     check_keys(["peft=none,lora,qlora", "peft.r=8", "peft.quant_type=fp4"])  # every option has every key
     with pytest.raises(ConfigError, match=r"^peft.rank=8 is invalid: no key rank in peft=none "):
         check_keys(["peft=none,lora", "peft.rank=8"])
+
+
+def test_all_linear_adapts_every_linear_but_the_head():
+    cfg, model = peft_model("llama-tiny", "peft=qlora", "peft.target_modules=all-linear")
+    a, r = cfg.model.architecture, 16
+    kv = a.num_key_value_heads * a.hidden_size // a.num_attention_heads
+    h, i = a.hidden_size, a.intermediate_size
+    per_layer = r * (2 * h + 2 * (h + kv) + 2 * h) + r * (2 * (h + i) + (i + h))  # attention; gate, up, down
+    assert adapters.trainable_params(model) == a.num_hidden_layers * per_layer + h * 2  # + the score head
+    found = model.peft_config["default"].target_modules
+    assert adapters.targets_text(cfg.peft, found) == (
+        "all-linear: down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"
+    )
 
 
 def test_the_method_names_the_run():
