@@ -229,7 +229,7 @@ def figures(cfg, model) -> tuple[dict, dict]:
     frozen = sum(t.untyped_storage().nbytes() for t in held if not t.requires_grad)
     count = trainable_params(model)
     metrics = {
-        "trainable_params": count,
+        "model_trainable_params": count,
         "trainable_weights_mb": trainable / MB,
         "frozen_weights_mb": frozen / MB,
     }

@@ -226,10 +226,10 @@ def test_every_method_runs_and_logs_its_figures(peft_runs):
         # the breakdown adds up to the measured peak
         assert sum(m[k] for k in BREAKDOWN) == pytest.approx(m["peak_memory_mb"], rel=0.02)
         if method == "full":
-            assert "trainable_params" not in m and "peft_r" not in p
+            assert "model_trainable_params" not in m and "peft_r" not in p
             continue
         trainable = lora_by_hand(cfg, 16)
-        assert int(p["trainable_params"]) == m["trainable_params"] == trainable
+        assert int(p["trainable_params"]) == m["model_trainable_params"] == trainable
         assert (
             m["optimizer_state_bytes"] == 2 * 4 * trainable + 4 * 18
         )  # AdamW: two fp32 moments, a step each
@@ -258,7 +258,7 @@ def test_every_method_runs_and_logs_its_figures(peft_runs):
 def test_both_backends_give_the_same_figures(peft_runs):
     peft_runs, _ = peft_runs
     trainer, accelerator = (peft_runs[("lora r=16", b)].data.metrics for b in ("trainer", "accelerator"))
-    for key in ["optimizer_state_bytes", "trainable_params", "peak_memory_mb", *BREAKDOWN]:
+    for key in ["optimizer_state_bytes", "model_trainable_params", "peak_memory_mb", *BREAKDOWN]:
         assert trainer[key] == pytest.approx(accelerator[key], rel=1e-6), key
     assert trainer["train_loss_final"] == pytest.approx(accelerator["train_loss_final"], rel=1e-4)
 
