@@ -242,9 +242,22 @@ def _check_in_backward(cfg: DictConfig) -> None:
             )
 
 
+def _check_frozen_base(cfg: DictConfig) -> None:
+    """peft=lora / qlora: an optimizer that cannot train adapters on a frozen base (checked before whether
+    it needs CUDA: no device makes it work)."""
+    spec = spec_for(cfg.optim)
+    kind = cfg.peft.name
+    if kind != "none" and spec.frozen_base:
+        raise ConfigError(
+            f"optim={cfg.optim.name} is invalid with peft={kind}: {spec.frozen_base} (use an optimizer that "
+            "keeps state for the trainable parameters only, e.g. optim=lomo or adamw; or peft=none)",
+            ("optim.name", "peft.name"),
+        )
+
+
 def _check_peft(cfg: DictConfig) -> None:
     """peft=lora / qlora: the adapter's settings, the 4-bit base's (and bitsandbytes for it), the default
-    target modules of the model's family; and the optimizers that cannot train adapters."""
+    target modules of the model's family; no plan of it yet."""
     import importlib.util
 
     kind = cfg.peft.name
@@ -286,13 +299,6 @@ def _check_peft(cfg: DictConfig) -> None:
                 f"with pip install -e '.[{EXTRA}]' (make install does)",
                 ("peft.name",),
             )
-    spec = spec_for(cfg.optim)
-    if spec.frozen_base:
-        raise ConfigError(
-            f"optim={cfg.optim.name} is invalid with peft={kind}: {spec.frozen_base} (an optimizer that keeps "
-            "state for the trainable parameters only: optim=lomo, adamw, ...; or peft=none)",
-            ("optim.name", "peft.name"),
-        )
     if cfg.plan:
         raise ConfigError(
             f"plan=true is invalid with peft={kind}: the plan simulates full fine-tuning only (peft=none); "
@@ -406,6 +412,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     for key in POSITIVE_INTS:
         yield partial(_check, cfg, key, _positive_int, "must be a positive integer")
     yield partial(_check_sharding_backend, cfg)
+    yield partial(_check_frozen_base, cfg)
     yield partial(_check_in_backward, cfg)
     yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     yield partial(

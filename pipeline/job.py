@@ -20,6 +20,8 @@ from pipeline import MB
 
 RESULT_FILE, ERROR_FILE, CONFIG_FILE = "result.json", "error.txt", "config.yaml"
 FAILURE_FILE = "failure.json"  # the failure reason and the figures at the time, for the runner
+# peft.save_adapter=true: the trained adapter (peft's save_pretrained) in the job folder, the run's artifact
+ADAPTER_DIR = "adapter"
 
 
 def load(cfg: DictConfig):
@@ -74,6 +76,8 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
         with StepTimer(model) as timer:
             out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
         result = measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)
+        if cfg.peft.get("save_adapter") and int(os.environ.get("RANK", "0")) == 0:
+            model.save_pretrained(job_dir / ADAPTER_DIR)  # the adapters and the head: what peft saves
     return {**result, "datasets": splits.inputs}  # the runner logs them as the run's dataset inputs
 
 

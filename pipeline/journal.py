@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from pipeline.browse import display_metrics
-from pipeline.job import CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
+from pipeline.job import ADAPTER_DIR, CONFIG_FILE, ERROR_FILE, RESULT_FILE, run_description
 from pipeline.tracking import DESCRIPTION, Tracker
 
 UNRECORDED_FILE = "unrecorded.json"
@@ -169,6 +169,8 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
             tracker.log_artifact(run_id, job_dir / ERROR_FILE)
         elif result.get("datasets"):
             tracker.log_datasets(run_id, result["datasets"])
+        if failure is None and (job_dir / ADAPTER_DIR).is_dir():  # peft.save_adapter=true
+            tracker.log_artifacts(run_id, job_dir / ADAPTER_DIR, ADAPTER_DIR)
         tracker.end(run_id, status, end_time=entry_["end_time"])
         if entry_["replaces"] and failure is None:  # force=true: the point's earlier result has a later one
             tracker.log(entry_["replaces"], tags={"replaced_by": run_id})
