@@ -1,6 +1,10 @@
 """The report's columns: which MLflow metric fills which column, their labels and what they mean."""
 
 BASELINE = "adamw"
+# how a run trains (param `method`: `full`, `lora r=16`, `qlora r=16 nf4`; a run without it, recorded before
+# peft existed, is full fine-tuning): where some run is not full, a row's own key beside the optimizer, and the
+# baseline is full fine-tuning with the baseline optimizer (`--baseline "adamw lora r=16"` names another)
+METHOD, FULL = "method", "full"
 # the comparison group of a row: Δ is taken against the baseline optimizer of the same group
 GROUP = ["model", "batch_size", "backend", "precision"]
 # settings that split rows further when a sweep varies them (never the seed: seeds are the repeats)
@@ -43,6 +47,14 @@ COLUMNS = {
     "MFU [0-1]": "mfu",
     "optimizer step [ms]": "optimizer_step_ms",
 }
+# the columns of a report with PEFT runs (some method not full) only, before its state (label <- MLflow metric);
+# a full fine-tuning row's trainable count is its model's (`model_num_params`: every weight trains)
+PEFT_COLUMNS = {
+    "trainable params": "model_trainable_params",
+    "frozen weights [MB]": "frozen_weights_mb",
+}
+# of those, what the lead table shows (after n)
+PEFT_DECISION = ["trainable params"]
 DELTAS = {"state": "state [MB]", "peak": "peak [MB]"}
 SEEDS = "n [seeds]"
 COLLAPSED = "collapsed [runs]"  # of a row's runs, those whose predictions fell (nearly) all in one class
@@ -112,6 +124,16 @@ LEGEND = {
     "MFU [0-1]": "model FLOPs utilisation: (6 × non-embedding parameters + 12 × layers × attention width × "
     "sequence length) FLOPs per token × tokens/s against the device's peak for the precision (docs/metrics.md)",
     "optimizer step [ms]": "median wall time of one optimizer.step() (`optimizer_step_ms`)",
+}
+# the legend's entries of a report with PEFT runs only, after `n [seeds]`
+PEFT_LEGEND = {
+    "method": "how the row trains (param `method`): `full` fine-tuning, `lora r=16` (LoRA adapters of rank 16 on a "
+    "frozen base), `qlora r=16 nf4` (the same on a 4-bit NF4 base); a run recorded without the param is `full`. "
+    "Δ compares every row with the baseline optimizer's full fine-tuning row (`adamw`, method `full`)",
+    "trainable params": "parameters that train (`model_trainable_params`: the adapters and the classifier's head); "
+    "a full fine-tuning row's: all of them (`model_num_params`)",
+    "frozen weights [MB]": "the frozen base's weights and buffers as held (`frozen_weights_mb`; a QLoRA base's "
+    "4-bit weights with their quantization constants); empty on a full fine-tuning row, which freezes none",
 }
 # the legend's entries only one task's table has
 TASK_LEGEND = {

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.report.columns import COLLAPSED, PHASES
-from pipeline.report.tables import pareto_front, peak_phase, point_columns
+from pipeline.report.tables import pareto_front, peak_phase, point_columns, with_method
 from pipeline.report.tuned import tuned_points
 
 # the training-loss plot's smoothing: an exponential moving average with this weight on the previous value
@@ -111,10 +111,12 @@ def _colors(optims: list[str]) -> dict:
 
 
 def _labels(table: pd.DataFrame, columns: list[str]) -> pd.Series:
-    """Row labels from the columns that vary (batch size and optimizer always, when asked for)."""
+    """Row labels from the columns that vary (batch size and optimizer always, when asked for; the method,
+    `lora r=16`, where it varies)."""
     always = ("batch_size", "optim")
     shown = [c for c in columns if c in always or table[c].nunique(dropna=False) > 1] or columns[:1]
     named = {"batch_size": "bs {}", "model": "{}", "backend": "{}", "data": "{}", "optim": "{}", "task": "{}"}
+    named["method"] = "{}"
     return table[shown].apply(
         lambda row: " · ".join(named.get(c, c + "={}").format(row[c]) for c in shown), axis=1
     )
@@ -325,6 +327,7 @@ def ema(values, weight: float = EMA_WEIGHT) -> np.ndarray:
 def plot_losses(history: pd.DataFrame, jobs: pd.DataFrame, colors: dict, path: Path) -> None:
     """Per optimizer (and point): the loss smoothed (EMA) over the faint raw per-step mean and its band over
     seeds; raw losses of a few optimizers cross each other at every step."""
+    jobs = with_method(jobs)  # a run recorded without the param `method` is full fine-tuning
     keys = point_columns(jobs[jobs.status == "FINISHED"])
     curves = history.merge(jobs[["run_id", "optim", *keys]], on="run_id")
     curves = curves.groupby(["optim", *keys, "step"], sort=False).train_loss.agg(["mean", "min", "max"])

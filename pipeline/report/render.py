@@ -16,11 +16,14 @@ from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
     CLASSIFICATION,
+    FULL,
     KEY_LABELS,
     LEGEND,
     LM_METRIC,
     LOWER_IS_BETTER,
+    METHOD,
     METRIC_LABELS,
+    PEFT_LEGEND,
     QUALITY,
     QUALITY_METRICS,
     TARGET_FRACTION,
@@ -77,6 +80,7 @@ from pipeline.report.tables import (
     fit_table,
     format_table,
     has_lm,
+    has_peft,
     is_fit_job,
     is_plan_job,
     pareto_front,
@@ -85,6 +89,7 @@ from pipeline.report.tables import (
     plan_table,
     plan_verdict,
     point_columns,
+    split_baseline,
     task_of,
     task_title,
     tasks_in,
@@ -139,9 +144,18 @@ def _about(
     lines.append(f"jobs: {len(jobs)}, {finished} finished, {len(jobs) - finished} not finished")
     found = lambda c: ", ".join(map(str, jobs[c].dropna().unique())) if c in jobs else ""  # noqa: E731
     lines.append(f"device: {found('device')}; data: {found('data')}; max steps: {found('max_steps')}")
+    same = f"of the same {'task, ' if has_lm(jobs) else ''}model, batch size and backend"
+    if has_peft(jobs):  # every method's row against one baseline: the baseline optimizer's full fine-tuning
+        optim, method = split_baseline(baseline)
+        named = "full fine-tuning (method `full`)" if method == FULL else f"method `{method}`"
+        delta = (
+            f"Δ = row − `{optim}` with {named} {same}, whatever the row's method (in % of its value; a group "
+            "without it has no Δ)"
+        )
+    else:
+        delta = f"Δ = optimizer − `{baseline}` {same} (in % of `{baseline}`'s value)"
     lines.append(
-        f"Δ = optimizer − `{baseline}` of the same {'task, ' if has_lm(jobs) else ''}model, batch size and "
-        f"backend (in % of `{baseline}`'s value); "
+        f"{delta}; "
         "with several seeds a value is mean ± sample std (ddof=1) over n seeds; "
         "an empty cell was not measured (e.g. CUDA figures on CPU); MB = 2^20 bytes"
     )
@@ -264,11 +278,15 @@ def _quality(task: str, rows: pd.DataFrame, tuned: Tuned | None) -> tuple[pd.Dat
     return rows, "eval F1 [0-1]", "eval F1", "f1_vs_peak.png", False
 
 
-def _legend(tasks: list[str], tuned: dict) -> pd.DataFrame:
-    """The page's column legend: the entries of the tasks it holds, and of each tuned table (a language model's
-    entries marked as such where a classifier's tuned table is there too)."""
+def _legend(tasks: list[str], tuned: dict, peft: bool = False) -> pd.DataFrame:
+    """The page's column legend: the entries of the tasks it holds (with PEFT runs, the method's and its
+    columns' after `n [seeds]`), and of each tuned table (a language model's entries marked as such where a
+    classifier's tuned table is there too)."""
     other = {c for t, cs in TASK_LEGEND.items() if t not in tasks for c in cs}
-    rows = [(column, meaning) for column, meaning in LEGEND.items() if column not in other]
+    rows = []
+    for column, meaning in LEGEND.items():
+        rows += [] if column in other else [(column, meaning)]
+        rows += list(PEFT_LEGEND.items()) if peft and column == "n [seeds]" else []
     if CLASSIFICATION in tuned:
         rows += list(TUNED_LEGEND.items())
     if CAUSAL_LM in tuned:
@@ -386,7 +404,7 @@ def write_report(
     plots = {file: caption for file, caption in captions.items() if (out / file).exists()}
     failed = failed_table(jobs)
     details_title = "All columns"
-    legend = _legend([task for task, _ in parts], tuned_of)
+    legend = _legend([task for task, _ in parts], tuned_of, METHOD in table)
     tuned_title = "Tuned learning rate"
 
     fit_title = "Largest batch that fits in " + (

@@ -17,9 +17,13 @@ from pipeline.report.columns import (
     FAILURE_LABELS,
     FIT_COLUMNS,
     FIT_KEYS,
+    FULL,
     GROUP,
     KEY_LABELS,
+    METHOD,
     OTHER_SETTINGS,
+    PEFT_COLUMNS,
+    PEFT_DECISION,
     PLAN_COLUMNS,
     PLAN_DEFAULTS,
     PLAN_KEYS,
@@ -72,30 +76,89 @@ def task_title(task: str) -> str:
     return f"{TASKS.get(task, task)} (task={task})"
 
 
+def method_of(jobs: pd.DataFrame) -> pd.Series:
+    """Each row's method (param `method`: `full`, `lora r=16`, ...): a run without the param is `full`."""
+    if METHOD not in jobs:
+        return pd.Series(FULL, index=jobs.index, dtype=object)
+    return jobs[METHOD].astype(object).where(jobs[METHOD].notna(), FULL)
+
+
+def has_peft(jobs: pd.DataFrame) -> bool:
+    """Whether some row trains otherwise than in full (LoRA, QLoRA): its tables then carry the method."""
+    return bool(method_of(jobs).ne(FULL).any())
+
+
+def with_method(jobs: pd.DataFrame) -> pd.DataFrame:
+    """`jobs` with every row's method filled in, where some row is not full fine-tuning (else as they are)."""
+    return jobs.assign(**{METHOD: method_of(jobs)}) if has_peft(jobs) else jobs
+
+
+def split_baseline(baseline: str) -> tuple[str, str]:
+    """`--baseline` as (optimizer, method): `adamw` is AdamW's full fine-tuning, `adamw lora r=16` its LoRA."""
+    optim, _, method = str(baseline).strip().partition(" ")
+    return optim, method.strip() or FULL
+
+
+def is_baseline(frame: pd.DataFrame, baseline: str) -> pd.Series:
+    """The rows of `frame` that are the baseline: its optimizer, with its method (`full` unless named)."""
+    optim, method = split_baseline(baseline)
+    return frame.optim.eq(optim) & (method_of(frame).eq(method) if METHOD in frame else method == FULL)
+
+
+def row_keys(points: list[str]) -> list[str]:
+    """A row's keys from its point (point_columns): the point, the optimizer, then the method where it is one."""
+    return [c for c in points if c != METHOD] + ["optim"] + ([METHOD] if METHOD in points else [])
+
+
+def comparison_group(keys: list[str]) -> list[str]:
+    """What Δ compares within: a row's keys less the optimizer and the method (the baseline is one of both)."""
+    return [c for c in keys if c not in ("optim", METHOD)]
+
+
+def _method_rank(method: str) -> tuple:
+    """full first, then LoRA, then QLoRA, each by rank (r=8 before r=16), then the rest by name."""
+    kind, _, rest = str(method).partition(" ")
+    r = rest.split(" ")[0].removeprefix("r=")
+    return ({FULL: 0, "lora": 1, "qlora": 2}.get(kind, 3), kind, int(r) if r.isdigit() else 0, str(method))
+
+
+def method_order(methods) -> list[str]:
+    return sorted(set(methods), key=_method_rank)
+
+
 def point_columns(jobs: pd.DataFrame) -> list[str]:
     """What makes a comparison row besides the optimizer: the task where some row is a language model's, the
-    group, plus any other setting the jobs vary. A learning rate counts only where one optimizer ran at
-    several: optimizers each at their own reference rate are still compared in one row each."""
-    jobs = with_task(jobs)
+    group, plus any other setting the jobs vary, and the method where some row is not full fine-tuning. A
+    learning rate counts only where one optimizer (with one method) ran at several: optimizers each at their
+    own reference rate are still compared in one row each."""
+    jobs = with_method(with_task(jobs))
     lead = ["task"] if "task" in jobs and has_lm(jobs) else []
     varied = [c for c in OTHER_SETTINGS if c in jobs and jobs[c].nunique(dropna=False) > 1]
+    peft = [METHOD] if has_peft(jobs) else []
     # the rest of the point and the optimizer: does the rate vary within them, or only between optimizers?
-    keys = [c for c in [*lead, *GROUP, *varied, "optim"] if c in jobs and c not in RATES]
+    keys = [c for c in [*lead, *GROUP, *varied, *peft, "optim"] if c in jobs and c not in RATES]
     within = lambda c: jobs.groupby(keys, dropna=False)[c].nunique(dropna=False).gt(1).any()  # noqa: E731
-    return lead + GROUP + [c for c in varied if c not in RATES or not keys or within(c)]
+    return lead + GROUP + [c for c in varied if c not in RATES or not keys or within(c)] + peft
 
 
 def _optimizer_order(optims, baseline: str) -> list[str]:
-    return sorted(set(optims), key=lambda o: (o != baseline, str(o)))
+    """The baseline's optimizer first (`--baseline "adamw lora r=16"`: adamw), then the others by name."""
+    first = split_baseline(baseline)[0]
+    return sorted(set(optims), key=lambda o: (o != first, str(o)))
 
 
 def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     """The comparison table as numbers: one row per point, seeds aggregated; `<col> std` beside each mean."""
     columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim"]))  # a key no job logged stays empty
-    done = with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns))
-    keys = point_columns(done) + ["optim"]
-    values = done.reindex(columns=list(COLUMNS.values())).astype(float)
-    values.columns = list(COLUMNS)
+    done = with_method(with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns)))
+    keys = row_keys(point_columns(done))
+    # with PEFT runs among them: the trainable count and the frozen weights (a full row's count: its model's)
+    figures = {**COLUMNS, **(PEFT_COLUMNS if METHOD in keys else {})}
+    values = done.reindex(columns=list(figures.values())).astype(float)
+    values.columns = list(figures)
+    if METHOD in keys:
+        whole = done.reindex(columns=["model_num_params"]).model_num_params.astype(float)
+        values["trainable params"] = values["trainable params"].fillna(whole.where(done[METHOD].eq(FULL)))
     grouped = pd.concat([done[keys], values], axis=1).groupby(keys, dropna=False)
     # runs whose predictions fell (nearly) all in one class (tag `collapsed`): their quality figures are the
     # class balance's, not a trained model's
@@ -116,14 +179,15 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         # never reads as a comparison at one rate
         rate = ["lr"]
         table = table.merge(done.groupby(keys, dropna=False).lr.first().reset_index(), on=keys, how="left")
-    # Δ against the baseline optimizer of the same group (empty where the group has no finished baseline)
-    group, by = keys[:-1], keys
-    baselines = table[table.optim == baseline]
+    # Δ against the baseline of the same group: the baseline optimizer's full fine-tuning unless `baseline`
+    # names a method (empty where the group has no finished baseline)
+    group, by = comparison_group(keys), keys
+    baselines = table[is_baseline(table, baseline)]
     at_scale = [k for k in group if k != "lr"]
     if {"lr", "lr_scale"} <= set(group) and not baselines.duplicated(at_scale).any():
         # a tuned grid: Δ at the same lr scale (optimizers with their own reference rates rarely share an
         # lr), those rows side by side, each optimizer's own lr last
-        group, by = at_scale, [*at_scale, "optim", "lr"]
+        group, by = at_scale, [*at_scale, *[k for k in keys if k in ("optim", METHOD)], "lr"]
     reference = table[group].join(baselines.set_index(group)[list(DELTAS.values())], on=group)
     for name, column in DELTAS.items():
         table[f"Δ {name} [MB]"] = table[column] - reference[column]
@@ -136,10 +200,14 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
     if "task" in keys:  # classification's rows first, then the language model's
         table["task"] = pd.Categorical(table.task, tasks_in(table))
+    if METHOD in keys:  # each optimizer's full fine-tuning first, then LoRA, then QLoRA
+        table[METHOD] = pd.Categorical(table[METHOD], method_order(table[METHOD]))
     table = table.sort_values(by, ignore_index=True)
     table["optim"] = table.optim.astype(str)
     if "task" in keys:
         table["task"] = table.task.astype(str)
+    if METHOD in keys:
+        table[METHOD] = table[METHOD].astype(str)
     # the quality columns of the tasks the table holds: a classifier's table has no perplexity, a language
     # model's no F1 (and no row of it can collapse to one class)
     present = tasks_in(table) or [CLASSIFICATION]
@@ -155,6 +223,7 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         "variant",
         SEEDS,
         COLLAPSED,
+        *PEFT_COLUMNS,
         "state [MB]",
         "estimated state [MB]",
         "Δ state [MB]",
@@ -199,7 +268,7 @@ def _fmt(value, spec: str = ".4g") -> str:
 def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     """Strings for people: 4 significant digits, ± std (2 digits) where there is a std, empty where nothing
     was measured."""
-    keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim"]]
+    keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim", METHOD]]
     out = table[keys].rename(columns=KEY_LABELS)
     if "variant" in table:  # the Trainer's variant beside the optimizer: `adamw_8bit (Trainer: ...)`
         optimizer = KEY_LABELS["optim"]
@@ -225,8 +294,14 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
             else ".4g"
         )
         std = table.get(f"{column} std", pd.Series(float("nan"), index=table.index))
-        # a perplexity in the thousands as a whole number (30,295), not 3.03e+04
-        shown = _readable if "perplexity" in column else lambda m, spec=spec: _fmt(m, spec)
+        # a perplexity in the thousands as a whole number (30,295), not 3.03e+04; a count of parameters whole
+        shown = (
+            _readable
+            if "perplexity" in column
+            else _count
+            if column in COUNTS
+            else lambda m, spec=spec: _fmt(m, spec)
+        )
         out[column] = [
             shown(m) + (f" ± {_fmt(s, '.2g')}" if pd.notna(s) else "")
             for m, s in zip(table[column], std, strict=True)
@@ -235,11 +310,13 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
 
 
 def decision_table(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
-    """The comparison at a glance: optimizer first, then the settings that differ between rows, n and the
-    DECISION columns; and the line naming the settings every row shares (`every row: model tiny, ...`)."""
-    shown = format_table(table, [c for c in DECISION if c in table])
+    """The comparison at a glance: optimizer first, then the settings that differ between rows (the method
+    first among them), n and the DECISION columns (with PEFT runs, the trainable count before them); and the
+    line naming the settings every row shares (`every row: model tiny, ...`)."""
+    shown = format_table(table, [c for c in [*PEFT_DECISION, *DECISION] if c in table])
     optimizer, keys = KEY_LABELS["optim"], list(shown.columns[: list(shown.columns).index(SEEDS)])
     varied = [k for k in keys if k != optimizer and shown[k].nunique(dropna=False) > 1]
+    varied = sorted(varied, key=lambda k: k != METHOD)
     shared = [k for k in keys if k not in (optimizer, *varied)]
     note = ", ".join(f"{k} {shown[k].iloc[0]}" for k in shared) if len(shown) else ""
     lead = shown[[optimizer, *varied, *[c for c in shown.columns if c not in keys]]]
@@ -273,7 +350,9 @@ def failed_table(jobs: pd.DataFrame) -> pd.DataFrame:
         "failure_reason",
         "error",
     ]
-    failed = jobs.loc[jobs.status != "FINISHED"].reindex(columns=columns)
+    if has_peft(jobs):  # the method beside the optimizer
+        columns.insert(columns.index("optim") + 1, METHOD)
+    failed = with_method(jobs).loc[jobs.status != "FINISHED"].reindex(columns=columns)
     failed["failure_reason"] = failed.failure_reason.map(lambda r: FAILURE_LABELS.get(r, r))
     return failed.rename(columns={"run_name": "run", "failure_reason": "why", **KEY_LABELS}).fillna("")
 
@@ -284,17 +363,22 @@ def is_fit_job(jobs: pd.DataFrame) -> pd.Series:
 
 
 def fit_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
-    """Largest batch that fits the memory budget, per optimizer (seeds: the smallest found)."""
-    done = jobs[is_fit_job(jobs) & (jobs.status == "FINISHED")].reindex(
-        columns=list(dict.fromkeys([*FIT_KEYS, *FIT_COLUMNS.values()]))
-    )
+    """Largest batch that fits the memory budget, per optimizer (and method, with PEFT runs among them; seeds:
+    the smallest found)."""
+    fits = with_method(jobs[is_fit_job(jobs) & (jobs.status == "FINISHED")])
+    keys = [*FIT_KEYS, METHOD] if has_peft(fits) else FIT_KEYS
+    done = fits.reindex(columns=list(dict.fromkeys([*keys, *FIT_COLUMNS.values()])))
     if done.empty:
         return pd.DataFrame()
     values = done[list(FIT_COLUMNS.values())].astype(float).set_axis(list(FIT_COLUMNS), axis=1)
-    table = pd.concat([done[FIT_KEYS], values], axis=1).groupby(FIT_KEYS, dropna=False).min().reset_index()
+    table = pd.concat([done[keys], values], axis=1).groupby(keys, dropna=False).min().reset_index()
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
-    table = table.sort_values(FIT_KEYS, ignore_index=True)
+    if METHOD in keys:
+        table[METHOD] = pd.Categorical(table[METHOD], method_order(table[METHOD]))
+    table = table.sort_values(keys, ignore_index=True)
     table["optim"] = table.optim.astype(str)
+    if METHOD in keys:
+        table[METHOD] = table[METHOD].astype(str)
     labels = {**KEY_LABELS, "memory_budget_mb": "budget [MB]"}
     return table.rename(columns=labels)
 
@@ -514,6 +598,14 @@ def console_table(table: pd.DataFrame) -> str:
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.map(lambda v: _fmt(v) if isinstance(v, float) else v)
+
+
+# the columns that count things: whole numbers with thousands separators (20,480), however large
+COUNTS = ["trainable params"]
+
+
+def _count(value) -> str:
+    return "" if pd.isna(value) else f"{value:,.0f}"
 
 
 def _readable(value) -> str:

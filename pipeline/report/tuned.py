@@ -22,6 +22,7 @@ from pipeline.report.columns import (
     GROUP,
     KEY_LABELS,
     LOWER_IS_BETTER,
+    METHOD,
     METRIC_LABELS,
     METRIC_UNITS,
     QUALITY,
@@ -32,7 +33,17 @@ from pipeline.report.columns import (
     UNTUNED_NOTE,
     UNTUNED_NOTE_LM,
 )
-from pipeline.report.tables import _optimizer_order, format_table, point_columns, with_task
+from pipeline.report.tables import (
+    _optimizer_order,
+    comparison_group,
+    format_table,
+    is_baseline,
+    method_order,
+    point_columns,
+    row_keys,
+    with_method,
+    with_task,
+)
 
 # a mean over seeds that equals the target up to rounding reaches it
 TOLERANCE = 1e-12
@@ -55,7 +66,7 @@ class Tuned(NamedTuple):
 def _finished(jobs: pd.DataFrame) -> pd.DataFrame:
     """Finished jobs with every column the section reads (empty where not logged); collapsed as a bool."""
     columns = list(dict.fromkeys([*jobs.columns, *GROUP, "optim", *RATES, "collapsed"]))
-    done = with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns))
+    done = with_method(with_task(jobs[jobs.status == "FINISHED"].reindex(columns=columns)))
     # an empty column as float NaN, as grouping gives it back, so that the frames merge on it
     empty = [c for c in done if done[c].isna().all() and not pd.api.types.is_datetime64_any_dtype(done[c])]
     done[empty] = done[empty].astype(float)
@@ -69,7 +80,7 @@ def _values(frame: pd.DataFrame, column: str) -> pd.Series:
 
 def tuned_points(jobs: pd.DataFrame) -> list[str]:
     """What a tuned row is besides the optimizer: the comparison's point without the learning rate, which
-    is what gets chosen."""
+    is what gets chosen (with the method, where some run is not full fine-tuning)."""
     return [c for c in point_columns(jobs) if c not in RATES]
 
 
@@ -132,7 +143,7 @@ def rate_table(jobs: pd.DataFrame, metric: str = QUALITY) -> pd.DataFrame:
     """One row per (point, optimizer, learning rate): its lr scale, finished runs, the validation metric's
     n, mean and sample std over seeds, and how many of the runs collapsed to one class."""
     done = _finished(jobs)
-    keys = tuned_points(done) + ["optim", "lr"]
+    keys = row_keys(tuned_points(done)) + ["lr"]
     grouped = done.assign(value=_values(done, f"val_{metric}")).groupby(keys, dropna=False)
     rates = pd.concat(
         [
@@ -147,10 +158,14 @@ def rate_table(jobs: pd.DataFrame, metric: str = QUALITY) -> pd.DataFrame:
 
 
 def _sorted(frame: pd.DataFrame, keys: list[str], baseline: str = BASELINE) -> pd.DataFrame:
-    """Sorted by point, baseline first among the optimizers (then by name), then by the rest of `keys`."""
+    """Sorted by point, baseline first among the optimizers (then by name), each optimizer's methods full
+    first, then by the rest of `keys`."""
     order = pd.Categorical(frame.optim, _optimizer_order(frame.optim, baseline))
-    frame = frame.assign(optim=order).sort_values(keys, ignore_index=True)
-    return frame.assign(optim=frame.optim.astype(str))
+    frame = frame.assign(optim=order)
+    if METHOD in keys:
+        frame[METHOD] = pd.Categorical(frame[METHOD], method_order(frame[METHOD]))
+    frame = frame.sort_values(keys, ignore_index=True).assign(optim=lambda f: f.optim.astype(str))
+    return frame.assign(**{METHOD: frame[METHOD].astype(str)}) if METHOD in keys else frame
 
 
 def select_best(rates: pd.DataFrame, keys: list[str], lower: bool = False) -> pd.DataFrame:
@@ -196,25 +211,28 @@ def welch(a, b) -> float:
 
 
 def against_baseline(runs: pd.DataFrame, points: list[str], column: str, baseline: str) -> pd.DataFrame:
-    """Per (point, optimizer) of `runs` (each at its best rate): Δ = mean of `column` minus the baseline's
-    mean at the same point, Welch's p over seeds, and n on each side ("3 vs 3"). Empty against itself or
+    """Per (point, optimizer, method) of `runs` (each at its best rate): Δ = mean of `column` minus the
+    baseline's mean at the same point (the baseline optimizer's full fine-tuning, unless `baseline` names a
+    method: `adamw lora r=16`), Welch's p over seeds, and n on each side ("3 vs 3"). Empty against itself or
     where the point has no baseline."""
+    group = comparison_group(points)
+    own = row_keys(points)[len(group) :]  # the optimizer, and the method where it is a key
     rows = []
-    for _, at_point in runs.groupby(points, dropna=False):
-        base = _values(at_point[at_point.optim == baseline], column).dropna()
-        for optim, side in at_point.groupby("optim"):
+    for _, at_point in runs.groupby(group, dropna=False):
+        base_rows = is_baseline(at_point, baseline)
+        base = _values(at_point[base_rows], column).dropna()
+        for _, side in at_point.groupby(own):
             values = _values(side, column).dropna()
-            compared = optim != baseline and len(base) > 0
+            compared = not base_rows[side.index].all() and len(base) > 0
             rows.append(
                 {
-                    **side.iloc[0][points].to_dict(),
-                    "optim": optim,
+                    **side.iloc[0][[*group, *own]].to_dict(),
                     "delta": values.mean() - base.mean() if len(base) else math.nan,
                     "p": welch(values, base) if compared else math.nan,
                     "n_vs": f"{len(values)} vs {len(base)}" if compared else "",
                 }
             )
-    return pd.DataFrame(rows, columns=[*points, "optim", "delta", "p", "n_vs"])
+    return pd.DataFrame(rows, columns=[*group, *own, "delta", "p", "n_vs"])
 
 
 def mean_curves(history: pd.DataFrame, runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -262,12 +280,12 @@ def tuned_section(
     name, unit, val, test = METRIC_LABELS[metric], METRIC_UNITS[metric], f"val_{metric}", f"eval_{metric}"
     done = _finished(jobs)
     points = tuned_points(done)
-    keys = [*points, "optim"]
+    keys = row_keys(points)
     rates = rate_table(done, metric)
     best = select_best(rates, keys, lower)
-    # the target: a share of the best final validation value among the point's optimizers, each at its best
-    # rate (a loss: that best divided by the share, the value to fall to)
-    final = best.groupby(points, dropna=False)["mean"]
+    # the target: a share of the best final validation value among the point's optimizers (and methods), each
+    # at its best rate (a loss: that best divided by the share, the value to fall to)
+    final = best.groupby(comparison_group(points), dropna=False)["mean"]
     best["target"] = (
         final.transform("min") / target_fraction if lower else target_fraction * final.transform("max")
     )
