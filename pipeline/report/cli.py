@@ -103,7 +103,13 @@ def main(argv=None) -> int:
         help="outputs_dir=DIR, tracking.uri=URI, tracking.experiment=NAME: the same as a sweep's (the "
         "options above)",
     )
-    parser.add_argument("--baseline", default=BASELINE, help="optimizer the Δ columns compare against")
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE,
+        metavar="NAME",
+        help="the row the Δ columns compare against: an optimizer's full fine-tuning (default: %(default)s), or "
+        "an optimizer and a method, as the method column names it: 'adamw lora r=16'",
+    )
     parser.add_argument(
         "--quality-metric",
         default=QUALITY,
