@@ -10,7 +10,14 @@ from pipeline.report.cli import main
 from pipeline.report.columns import PEFT_COLUMNS
 from pipeline.report.plots import _labels
 from pipeline.report.render import _about, write_report
-from pipeline.report.tables import compare, decision_table, failed_table, point_columns, split_baseline
+from pipeline.report.tables import (
+    compare,
+    decision_table,
+    failed_table,
+    fit_table,
+    point_columns,
+    split_baseline,
+)
 from pipeline.report.tuned import tuned_section
 
 POINT = {"model": "tiny", "batch_size": 16, "backend": "trainer", "precision": "fp32"}
@@ -217,3 +224,19 @@ def test_the_cli_takes_a_baseline_with_a_method(monkeypatch):
     with pytest.raises(SystemExit):
         main(["--tracking-uri", "http://127.0.0.1:1", "--baseline", "adamw lora r=16"])
     assert seen["baseline"] == "adamw lora r=16"
+
+
+def test_the_largest_batch_and_failed_tables_carry_the_method():
+    fits = jobs_of(
+        job(o, m, memory_budget_mb=1000, max_length=128, max_batch_size=b)
+        for o, m, b in [("adamw", "full", 8), ("adamw", "lora r=16", 64), ("adamw", None, 4)]
+    )
+    table = fit_table(fits)
+    assert table[["optimizer", "method", "largest batch [samples]"]].values.tolist() == [
+        ["adamw", "full", 4],  # the smallest found: a run without the param is full fine-tuning too
+        ["adamw", "lora r=16", 64],
+    ]
+    assert "method" not in fit_table(fits.drop(columns="method"))
+    failed = failed_table(sweep().assign(status="FAILED"))
+    assert list(failed.columns[1:3]) == ["optimizer", "method"]
+    assert failed.method.tolist()[:3] == METHODS

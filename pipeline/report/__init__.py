@@ -1,7 +1,8 @@
 """`python -m pipeline.report`: MLflow runs -> pandas comparison report (tables and plots) for one decision.
 
-One row per (model, batch size, backend, optimizer): what the optimizer keeps in state and at peak, the
-difference against the baseline optimizer (AdamW) of the same model, batch size and backend, and what that
+One row per (model, batch size, backend, optimizer; and method, `full` / `lora r=16` / `qlora r=16 nf4`, where
+PEFT runs are among them): what the optimizer keeps in state and at peak, the difference against the baseline
+optimizer's (AdamW's) full fine-tuning of the same model, batch size and backend, and what that
 costs in loss, accuracy, F1 and speed (a language model's, task=causal_lm: loss, perplexity and next-token
 accuracy, in a table of its own); seeds are aggregated to mean ± sample std. The report reads only what
 the tracker wrote: child runs by `mlflow.search_runs`, loss curves by `MlflowClient.get_metric_history`.
