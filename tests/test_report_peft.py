@@ -240,3 +240,22 @@ def test_the_largest_batch_and_failed_tables_carry_the_method():
     failed = failed_table(sweep().assign(status="FAILED"))
     assert list(failed.columns[1:3]) == ["optimizer", "method"]
     assert failed.method.tolist()[:3] == METHODS
+
+
+def test_adapter_settings_a_sweep_varies_are_keys_after_the_method():
+    rows = [
+        job("adamw", "full"),
+        *(job("adamw", "lora r=16", peft_alpha=a, peft_targets="query,value") for a in (16, 32)),
+    ]
+    table = compare(jobs_of(rows))
+    assert list(table.columns[4:7]) == ["optim", "method", "peft_alpha"]
+    assert table.method.tolist() == ["full", "lora r=16", "lora r=16"]
+    assert pd.isna(table.peft_alpha[0]) and table.peft_alpha[1:].tolist() == [16, 32]
+    assert table["Δ state [MB]"].tolist() == pytest.approx(
+        [0, STATE["lora r=16"] - STATE["full"]] + [STATE["lora r=16"] - STATE["full"]]
+    )
+    lead, _ = decision_table(table)
+    assert list(lead.columns[:3]) == ["optimizer", "method", "lora alpha"]
+    # each model's own default targets: not a key (they follow from the model)
+    other = [job("adamw", "lora r=16", model="llama-tiny", peft_alpha=32, peft_targets="q_proj,v_proj")]
+    assert "peft_targets" not in point_columns(jobs_of([*rows, *other]))

@@ -47,6 +47,9 @@ COLUMNS = {
     "MFU [0-1]": "mfu",
     "optimizer step [ms]": "optimizer_step_ms",
 }
+# the adapters' settings a method's name does not carry (params, PEFT runs only): a row's keys after the
+# method where a sweep varies them within one model (a full fine-tuning row leaves them empty)
+PEFT_SETTINGS = ["peft_alpha", "peft_dropout", "peft_targets", "peft_double_quant", "peft_compute_dtype"]
 # the columns of a report with PEFT runs (some method not full) only, before its state (label <- MLflow metric);
 # a full fine-tuning row's trainable count is its model's (`model_num_params`: every weight trains)
 PEFT_COLUMNS = {
@@ -65,6 +68,11 @@ KEY_LABELS = {
     "max_steps": "max steps [steps]",
     "max_length": "max length [tokens]",
     "weight_decay": "weight decay",
+    "peft_alpha": "lora alpha",
+    "peft_dropout": "lora dropout",
+    "peft_targets": "lora targets",
+    "peft_double_quant": "double quant",
+    "peft_compute_dtype": "compute dtype",
 }
 # the tasks (conf/task/, param `task`; a run without the param is a classifier's), in the report's order, and
 # how each task's table is headed where the report holds a language model

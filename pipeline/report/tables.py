@@ -24,6 +24,7 @@ from pipeline.report.columns import (
     OTHER_SETTINGS,
     PEFT_COLUMNS,
     PEFT_DECISION,
+    PEFT_SETTINGS,
     PLAN_COLUMNS,
     PLAN_DEFAULTS,
     PLAN_KEYS,
@@ -106,13 +107,16 @@ def is_baseline(frame: pd.DataFrame, baseline: str) -> pd.Series:
 
 
 def row_keys(points: list[str]) -> list[str]:
-    """A row's keys from its point (point_columns): the point, the optimizer, then the method where it is one."""
-    return [c for c in points if c != METHOD] + ["optim"] + ([METHOD] if METHOD in points else [])
+    """A row's keys from its point (point_columns): the point, the optimizer, then the method and the adapters'
+    settings where they are keys."""
+    own = [METHOD, *PEFT_SETTINGS]
+    return [c for c in points if c not in own] + ["optim"] + [c for c in points if c in own]
 
 
 def comparison_group(keys: list[str]) -> list[str]:
-    """What Δ compares within: a row's keys less the optimizer and the method (the baseline is one of both)."""
-    return [c for c in keys if c not in ("optim", METHOD)]
+    """What Δ compares within: a row's keys less the optimizer, the method and the adapters' settings (the
+    baseline is one optimizer with one method)."""
+    return [c for c in keys if c not in ("optim", METHOD, *PEFT_SETTINGS)]
 
 
 def _method_rank(method: str) -> tuple:
@@ -135,6 +139,9 @@ def point_columns(jobs: pd.DataFrame) -> list[str]:
     lead = ["task"] if "task" in jobs and has_lm(jobs) else []
     varied = [c for c in OTHER_SETTINGS if c in jobs and jobs[c].nunique(dropna=False) > 1]
     peft = [METHOD] if has_peft(jobs) else []
+    if peft:  # the adapters' settings a sweep varies within one model (its default targets differ by family)
+        within_model = lambda c: jobs.groupby("model", dropna=False)[c].nunique().gt(1).any()  # noqa: E731
+        peft += [c for c in PEFT_SETTINGS if c in jobs and within_model(c)]
     # the rest of the point and the optimizer: does the rate vary within them, or only between optimizers?
     keys = [c for c in [*lead, *GROUP, *varied, *peft, "optim"] if c in jobs and c not in RATES]
     within = lambda c: jobs.groupby(keys, dropna=False)[c].nunique(dropna=False).gt(1).any()  # noqa: E731
@@ -182,7 +189,8 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     # Δ against the baseline of the same group: the baseline optimizer's full fine-tuning unless `baseline`
     # names a method (empty where the group has no finished baseline)
     group, by = comparison_group(keys), keys
-    baselines = table[is_baseline(table, baseline)]
+    # (a baseline named with a method whose adapters' settings vary: its first row)
+    baselines = table[is_baseline(table, baseline)].drop_duplicates(group)
     at_scale = [k for k in group if k != "lr"]
     if {"lr", "lr_scale"} <= set(group) and not baselines.duplicated(at_scale).any():
         # a tuned grid: Δ at the same lr scale (optimizers with their own reference rates rarely share an
@@ -268,7 +276,7 @@ def _fmt(value, spec: str = ".4g") -> str:
 def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     """Strings for people: 4 significant digits, ± std (2 digits) where there is a std, empty where nothing
     was measured."""
-    keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim", METHOD]]
+    keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim", METHOD, *PEFT_SETTINGS]]
     out = table[keys].rename(columns=KEY_LABELS)
     if "variant" in table:  # the Trainer's variant beside the optimizer: `adamw_8bit (Trainer: ...)`
         optimizer = KEY_LABELS["optim"]
