@@ -137,7 +137,8 @@ LEGEND = {
 PEFT_LEGEND = {
     "method": "how the row trains (param `method`): `full` fine-tuning, `lora r=16` (LoRA adapters of rank 16 on a "
     "frozen base), `qlora r=16 nf4` (the same on a 4-bit NF4 base); a run recorded without the param is `full`. "
-    "Δ compares every row with the baseline optimizer's full fine-tuning row (`adamw`, method `full`)",
+    "Δ compares every row with the baseline: AdamW's full fine-tuning unless `--baseline` names another "
+    "(the preamble says which)",
     "trainable params": "parameters that train (`model_trainable_params`: the adapters and the classifier's head); "
     "a full fine-tuning row's: all of them (`model_num_params`)",
     "frozen weights [MB]": "the frozen base's weights and buffers as held (`frozen_weights_mb`; a QLoRA base's "
