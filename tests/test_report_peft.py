@@ -259,3 +259,16 @@ def test_adapter_settings_a_sweep_varies_are_keys_after_the_method():
     # each model's own default targets: not a key (they follow from the model)
     other = [job("adamw", "lora r=16", model="llama-tiny", peft_alpha=32, peft_targets="q_proj,v_proj")]
     assert "peft_targets" not in point_columns(jobs_of([*rows, *other]))
+
+
+def test_a_full_rows_adapter_setting_is_empty_in_tables_and_labels():
+    rows = [job("adamw", "full"), *(job("adamw", "lora r=16", peft_alpha=a) for a in (16, 32))]
+    table = compare(jobs_of(rows).astype({"peft_alpha": "Int64"}))  # as job_table types an integer param
+    lead, _ = decision_table(table)
+    assert lead["lora alpha"].tolist() == ["", 16, 32]
+    labels = _labels(table, ["optim", *point_columns(table)])
+    assert labels.tolist() == [
+        "adamw · bs 16 · full",
+        "adamw · bs 16 · lora r=16 · peft_alpha=16",
+        "adamw · bs 16 · lora r=16 · peft_alpha=32",
+    ]

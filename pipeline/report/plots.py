@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.report.columns import COLLAPSED, PHASES
+from pipeline.report.columns import COLLAPSED, PEFT_SETTINGS, PHASES
 from pipeline.report.tables import pareto_front, peak_phase, point_columns, with_method
 from pipeline.report.tuned import tuned_points
 
@@ -117,8 +117,14 @@ def _labels(table: pd.DataFrame, columns: list[str]) -> pd.Series:
     shown = [c for c in columns if c in always or table[c].nunique(dropna=False) > 1] or columns[:1]
     named = {"batch_size": "bs {}", "model": "{}", "backend": "{}", "data": "{}", "optim": "{}", "task": "{}"}
     named["method"] = "{}"
+    # (an adapter's setting, `peft_alpha=32`, left out of a full fine-tuning row's label, which has none)
     return table[shown].apply(
-        lambda row: " · ".join(named.get(c, c + "={}").format(row[c]) for c in shown), axis=1
+        lambda row: " · ".join(
+            named.get(c, c + "={}").format(row[c])
+            for c in shown
+            if not (c in PEFT_SETTINGS and pd.isna(row[c]))
+        ),
+        axis=1,
     )
 
 

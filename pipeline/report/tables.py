@@ -278,6 +278,8 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
     was measured."""
     keys = [c for c in table if c in ["task", *GROUP, *OTHER_SETTINGS, "optim", METHOD, *PEFT_SETTINGS]]
     out = table[keys].rename(columns=KEY_LABELS)
+    for setting in [c for c in keys if c in PEFT_SETTINGS]:  # a full fine-tuning row has none: empty
+        out[KEY_LABELS[setting]] = table[setting].astype(object).where(table[setting].notna(), "")
     if "variant" in table:  # the Trainer's variant beside the optimizer: `adamw_8bit (Trainer: ...)`
         optimizer = KEY_LABELS["optim"]
         out[optimizer] = [
