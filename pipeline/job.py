@@ -40,9 +40,8 @@ def load(cfg: DictConfig):
     if cfg.train.precision == "bf16_pure":
         # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
         model.to(torch.bfloat16)
-    if (
-        cfg.peft.name != "none"
-    ):  # adapters on the frozen base, qlora's 4-bit base quantized where the job trains
+    if cfg.peft.name != "none":
+        # adapters on the frozen base, qlora's 4-bit base quantized where the job trains
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
         model = adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, device)
     splits = data.tokenize(
