@@ -12,9 +12,10 @@ Nothing here may initialise CUDA (a process forked after that cannot use it). On
   the torchao quantizer) when torchao is installed: its MX-format kernels read the compute capability and ask
   triton whether the current device suits it. Here transformers imports with torchao hidden
   (`sys.modules["torchao"] = None`: `importlib.util.find_spec` answers None, so transformers takes it as not
-  installed and skips that import); afterwards torchao is visible again, transformers' cached answer is
-  cleared (and peft's), and a job that uses it (the torchao optimizers) imports it itself, after the fork. What the starter
-  leaves out with it: transformers' loading of torchao-quantized checkpoints, which no job here uses.
+  installed and skips that import); afterwards torchao is visible again, transformers' and peft's cached
+  answers are cleared, and a job that uses it (the torchao optimizers) imports it itself, after the fork. What
+  the starter leaves out with it: transformers' loading of torchao-quantized checkpoints, which no job here
+  uses.
 tests/test_starter.py checks every import below on a simulated CUDA build."""
 
 import gc
