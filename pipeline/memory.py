@@ -590,10 +590,14 @@ class TrainingMemory:
         self.breakdown.track_external(self.model)
         if self._optimizer is not None:
             self.breakdown.track_state(self._optimizer)
-        # MemTracker warns at every backward hook of a module it sees freed; nothing to act on here
+        # MemTracker warns at every backward hook of a module it sees freed, and (its ModTracker) where a module
+        # is entered inside another of the same name: transformers' decoders call modules made on the fly inside
+        # attention, each named by its class alone (`Func`). Nothing to act on: the breakdown is by kind of
+        # storage, not by module
         self._quiet = warnings.catch_warnings()
         self._quiet.__enter__()
         warnings.filterwarnings("ignore", message="Module is None")
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
         self._breakdown_from = self.step + 1  # the step it sees whole
         # a global hook, only while the breakdown runs (it puts every module's call on torch's hooked path):
         # global hooks run before a module's own, and this one before MemTracker's (registered next), so a step
