@@ -8,6 +8,7 @@ functions, so the config can be checked (and the method named) before any heavy 
 
 from __future__ import annotations
 
+import warnings
 from math import ceil, prod
 
 from pipeline import MB
@@ -54,6 +55,23 @@ def name(cfg) -> str:
 def used(peft: dict) -> dict:
     """The peft group's keys that its method reads (a config hash, the params): `name` and KEYS[name]."""
     return {k: v for k, v in peft.items() if k == "name" or k in KEYS.get(peft.get("name"), ())}
+
+
+# the keys a method reads that change nothing in a training step's memory: alpha scales the adapters' output by
+# a number, whatever its value; the adapter is saved after training
+NO_MEMORY = ("alpha", "save_adapter")
+
+
+def memory_settings(cfg) -> dict | None:
+    """The adapters' settings that change a training step's memory (what a plan's cache key holds of them):
+    `name` and the keys its method reads (`used`) less NO_MEMORY; dropout among them (a nonzero one keeps a
+    mask for backward). None for full fine-tuning."""
+    if name(cfg) == "none":
+        return None
+    from omegaconf import OmegaConf
+
+    peft = used(OmegaConf.to_container(cfg.peft, resolve=True))
+    return {k: v for k, v in peft.items() if k not in NO_MEMORY}
 
 
 def method(cfg) -> str:
@@ -110,8 +128,13 @@ def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quan
         fan_in_fan_out=model_type == "gpt2" and not quantized,
     )
     # the adapters in the weights' dtype (peft would make them fp32 under bf16 weights): train.precision says
-    # what the trainable weights are, bf16 under bf16_pure
-    return get_peft_model(model, config, autocast_adapter_dtype=False)
+    # what the trainable weights are, bf16 under bf16_pure. peft reads transformers' deprecated
+    # `is_gradient_checkpointing`, whose FutureWarning is peft's to act on, not the user's
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(model, config, autocast_adapter_dtype=False)
 
 
 def compute_dtype(peft_cfg, weights_dtype):
@@ -125,9 +148,16 @@ def quantize(model, peft_cfg, device: str) -> None:
     """Every Linear (and GPT-2's Conv1D) of the model but the head, in place, as a frozen bitsandbytes
     Linear4bit quantized on `device`. Its quantization constants (absmax, codes, offset) become non-persistent
     buffers of the layer, so that whatever counts a model's weights (the peak trackers, the breakdown) counts
-    them too; they are the same tensors the layer computes with."""
+    them too; they are the same tensors the layer computes with.
+
+    On fake tensors (a plan: pipeline.plan) the same layers come from the same quantization, bitsandbytes'
+    quantize_4bit, which its fake kernels answer with the packed weight and the constants in their shapes and
+    dtypes (`_fake_4bit`)."""
+    import contextlib
+
     import bitsandbytes as bnb
     import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from transformers.pytorch_utils import Conv1D
 
     double = bool(peft_cfg.double_quant)
@@ -137,25 +167,31 @@ def quantize(model, peft_cfg, device: str) -> None:
                 continue
             weight = child.weight.data if isinstance(child, torch.nn.Linear) else child.weight.data.t()
             out_features, in_features = weight.shape
-            layer = bnb.nn.Linear4bit(
-                in_features,
-                out_features,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype(peft_cfg, weight.dtype),
-                compress_statistics=double,
-                quant_type=peft_cfg.quant_type,
-                device="meta",
-            )
-            layer.weight = bnb.nn.Params4bit(
-                weight.contiguous(),
-                requires_grad=False,
-                compress_statistics=double,
-                quant_type=peft_cfg.quant_type,
-                module=layer,
-            )
+            fake = isinstance(weight, FakeTensor)
+            with unset_fake_temporarily() if fake else contextlib.nullcontext():  # its meta weight: not fake
+                layer = bnb.nn.Linear4bit(
+                    in_features,
+                    out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=compute_dtype(peft_cfg, weight.dtype),
+                    compress_statistics=double,
+                    quant_type=peft_cfg.quant_type,
+                    device="meta",
+                )
+            if fake:
+                layer.weight = _fake_4bit(weight, layer)
+            else:
+                layer.weight = bnb.nn.Params4bit(
+                    weight.contiguous(),
+                    requires_grad=False,
+                    compress_statistics=double,
+                    quant_type=peft_cfg.quant_type,
+                    module=layer,
+                )
             if child.bias is not None:
                 layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            layer = layer.to(device)  # quantizes the weight
+            if not fake:
+                layer = layer.to(device)  # quantizes the weight
             # bitsandbytes' CPU inference path (eval mode, no grad, an AVX512-BF16 CPU) repacks the weight and
             # its absmax in place, for good, in another layout (and fails for inputs under 64 features): the
             # layer keeps the layout it trains with
@@ -163,6 +199,33 @@ def quantize(model, peft_cfg, device: str) -> None:
             for key, tensor in quant_constants(layer.weight.quant_state).items():
                 layer.register_buffer(key, tensor, persistent=False)
             setattr(parent, child_name, layer)
+
+
+# the attributes a Params4bit carries besides its data and quantization state (bitsandbytes.nn.Params4bit)
+PARAMS4BIT_SETTINGS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")
+
+
+def _fake_4bit(weight, layer):
+    """A fake weight quantized as Params4bit quantizes a real one as it moves to its device (`_quantize`: the
+    same quantize_4bit call with the layer's settings), held as a frozen Parameter that carries Params4bit's
+    attributes (a Params4bit cannot wrap a fake tensor), which Linear4bit's forward and peft read as they read
+    a Params4bit's."""
+    import bitsandbytes as bnb
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    settings = {key: getattr(layer.weight, key) for key in PARAMS4BIT_SETTINGS}
+    if settings["compress_statistics"]:
+        # double quantization's 8-bit map, which bitsandbytes makes at its first quantization and keeps for
+        # the process: made from a real tensor, so that it never keeps a fake one
+        with unset_fake_temporarily():
+            bnb.functional.quantize_blockwise(torch.zeros(NESTED_BLOCK))
+    packed, state = bnb.functional.quantize_4bit(weight.contiguous(), **settings)
+    param = torch.nn.Parameter(packed, requires_grad=False)
+    for key, value in {**settings, "quant_state": state, "bnb_quantized": True, "module": None}.items():
+        setattr(param, key, value)
+    layer.quant_state = state
+    return param
 
 
 def quant_constants(state) -> dict:

@@ -257,7 +257,7 @@ def _check_frozen_base(cfg: DictConfig) -> None:
 
 def _check_peft(cfg: DictConfig) -> None:
     """peft=lora / qlora: the adapter's settings, the 4-bit base's (and bitsandbytes for it), the default
-    target modules of the model's family; no plan of it yet."""
+    target modules of the model's family; a plan of it with DDP or ZeRO-1 only."""
     import importlib.util
 
     kind = cfg.peft.name
@@ -299,11 +299,12 @@ def _check_peft(cfg: DictConfig) -> None:
                 f"with pip install -e '.[{EXTRA}]' (make install does)",
                 ("peft.name",),
             )
-    if cfg.plan:
+    if cfg.plan and cfg.train.sharding in ("zero2", "fsdp"):
         raise ConfigError(
-            f"plan=true is invalid with peft={kind}: the plan simulates full fine-tuning only (peft=none); "
-            "measure an adapter's step by training",
-            ("plan", "peft.name"),
+            f"plan=true is invalid with peft={kind} and train.sharding={cfg.train.sharding}: the plan counts "
+            "shards of whole trainable weights, not flat shards of a frozen base and its adapters (plan "
+            "train.sharding=none or zero1)",
+            ("plan", "peft.name", "train.sharding"),
         )
 
 

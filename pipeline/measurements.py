@@ -4,6 +4,7 @@ the steady steps, the eval figures, and the per-rank figures of a multi-process 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -118,15 +119,12 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
     """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks:
     what each rank of several holds) for each rank's largest batch, beside the measured one; `exclude_mb` of
     the state is not on the device (paged). Not under FSDP, nor for an optimizer that updates inside the
-    backward pass (the plan steps once over all gradients)."""
+    backward pass (the plan steps once over all gradients). With adapters (peft=lora / qlora) the plan
+    simulates the same adapters on the same (4-bit) base."""
     if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
         return {}
     if spec.in_backward:
         return {"prediction_method": "none: the optimizer updates inside the backward pass"}
-    if adapters.name(cfg) != "none":
-        return {
-            "prediction_method": f"none: the plan simulates full fine-tuning only, not peft={cfg.peft.name}"
-        }
     cuda = next(model.parameters()).device.type == "cuda"
     out = {}
     for rank, record in enumerate(ranks):
@@ -179,6 +177,9 @@ PLAN_SOURCES = (
     "backends/__init__.py",
 )
 PLAN_SOURCES += ("optimizers",)
+# and with adapters (peft=lora / qlora), the code that makes them (on fake tensors too), and its libraries
+PEFT_SOURCES = ("adapters.py",)
+PEFT_LIBRARIES = ("peft", "bitsandbytes")
 
 
 def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1) -> dict:
@@ -189,11 +190,16 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     sequence length (any batch size, seed or optimizer), the optimizer step by model and optimizer settings."""
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
+    versions, sources = library_versions(), PLAN_SOURCES
     if adapters.name(cfg) == "none":  # full fine-tuning's steps as kept before the peft group existed
         point.pop("peft", None)
+    else:
+        point["peft"] = adapters.memory_settings(cfg)
+        versions |= {name: importlib.metadata.version(name) for name in PEFT_LIBRARIES}
+        sources += PEFT_SOURCES
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
-    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), library_versions(), sources=PLAN_SOURCES)
+    store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=sources)
 
     def figures() -> dict:
         from pipeline import plan, plan_ranks

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -76,9 +77,16 @@ def fake_mode():
 
 
 @functools.lru_cache(maxsize=8)
-def _fake_model(config_json: str, attn: str | None, precision: str, checkpointing: bool, task: str):
+def _fake_model(
+    config_json: str,
+    attn: str | None,
+    precision: str,
+    checkpointing: bool,
+    task: str,
+    peft: str | None = None,
+):
     """The model a job of `task` would train, built on fake tensors (cached: a sweep plans one model many
-    times)."""
+    times); with `peft` (adapters.memory_settings as JSON), wrapped in its adapters as a job wraps it."""
     from transformers import AutoConfig
 
     from pipeline.models import auto_class
@@ -91,19 +99,85 @@ def _fake_model(config_json: str, attn: str | None, precision: str, checkpointin
         kwargs["dtype"] = torch.bfloat16
     with mode:
         model = auto_class(task).from_config(config, **kwargs)
-    if checkpointing:  # as both backends turn it on
+        if peft is not None:
+            model = _with_adapters(model, json.loads(peft), task)
+    if checkpointing:  # as both backends turn it on (on the adapters' model, as a job does)
         from pipeline.backends import enable_checkpointing
 
         enable_checkpointing(model)
-    model.plan_key = (config_json, attn, precision, checkpointing, task)  # what the caches below are keyed by
+    # what the caches below are keyed by (full fine-tuning's as before the adapters existed)
+    model.plan_key = (config_json, attn, precision, checkpointing, task) + (() if peft is None else (peft,))
     return mode, model.train()
 
 
-def fake_model(model_config, precision: str, checkpointing: bool, task: str = "classification"):
+def _with_adapters(model, settings: dict, task: str):
+    """A fake model as adapters.apply makes a job's (job.load): QLoRA's base Linear layers quantized to 4 bits
+    by bitsandbytes' own quantization (on its fake kernels: adapters.quantize), LoRA's adapters by peft, which
+    also sets what trains (the adapters, a classifier's head as a trainable copy beside the frozen one) and
+    what is frozen. `alpha` is not among the settings (adapters.memory_settings): it scales the adapters'
+    output by a number, whatever its value."""
+    from pipeline import adapters
+
+    settings = OmegaConf.create({"alpha": settings["r"], **settings})
+    with _assigned_conversions(), warnings.catch_warnings():
+        # peft's trainable copy of a classifier's head is a deepcopy, whose check of each tensor's data pointer
+        # torch warns of for a fake tensor (which has none; the copy is fake as well)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
+        return adapters.apply(model, settings, task, model.config.model_type)
+
+
+@contextlib.contextmanager
+def _assigned_conversions():
+    """Within it, `Module.to` on a module of fake tensors (peft moves each new adapter to its base layer's
+    device and dtype) assigns the converted parameters and buffers, as torch's `_apply` does for a real
+    tensor whose type the conversion keeps; for a fake one torch swaps the tensors in place instead, which the
+    fake mode's weak reference to each fake tensor forbids. Other modules convert as torch converts them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.nn.Module._apply
+
+    def _apply(module, fn, recurse=True):
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if not any(isinstance(t, FakeTensor) for t in own):
+            return original(module, fn, recurse)
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        for key, param in module._parameters.items():
+            if param is not None:
+                with torch.no_grad():
+                    converted = fn(param)
+                if converted is not param:
+                    module._parameters[key] = torch.nn.Parameter(converted, requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = fn(buffer)
+        return module
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
+
+
+def peft_settings(cfg) -> str | None:
+    """The adapters' settings that change a step's memory (adapters.memory_settings) as a key: None for full
+    fine-tuning, whose keys stay as they were before the adapters existed."""
+    from pipeline import adapters
+
+    settings = adapters.memory_settings(cfg)
+    return None if settings is None else json.dumps(settings, sort_keys=True)
+
+
+def fake_model(
+    model_config, precision: str, checkpointing: bool, task: str = "classification", peft: str | None = None
+):
     """(fake mode, model) for a transformers config (a real model's `config`, or one built from a yaml), built
-    as a job of `task` builds it."""
+    as a job of `task` builds it, with the adapters `peft` (peft_settings) where there are any."""
     attn = getattr(model_config, "_attn_implementation", None)
-    return _fake_model(model_config.to_json_string(use_diff=False), attn, precision, checkpointing, task)
+    config_json = model_config.to_json_string(use_diff=False)
+    return _fake_model(config_json, attn, precision, checkpointing, task, peft)
 
 
 def _autocast(precision: str):
@@ -386,16 +460,19 @@ def profile(
     store=None,
     cuda: bool = False,
     task: str = "classification",
+    peft: str | None = None,
 ) -> Profile:
-    """The forward and backward pass's Profile for sequences of `seq` tokens of a job of `task` (cached: a
-    sweep's plans of one model share it; in `store` too, a pipeline.cache.Store, where other processes find
-    it), on a CUDA target when `cuda` (its attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
+    """The forward and backward pass's Profile for sequences of `seq` tokens of a job of `task` with the
+    adapters `peft` (peft_settings; None: full fine-tuning) (cached: a sweep's plans of one model share it; in
+    `store` too, a pipeline.cache.Store, where other processes find it), on a CUDA target when `cuda` (its
+    attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
     lines), and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's depth: four
     passes of a 2- or 3-layer model plan an 8B one."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda, task)
+    key += () if peft is None else (peft,)  # (full fine-tuning's as before the adapters existed)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config, task)
-        run = functools.partial(_trace, cuda=cuda, task=task)
+        run = functools.partial(_trace, cuda=cuda, task=task, peft=peft)
 
         def trace_at(batch: int) -> np.ndarray:
             if shallow is None:
@@ -433,13 +510,14 @@ def _trace(
     stretches: bool,
     cuda: bool = False,
     task: str = "classification",
+    peft: str | None = None,
 ) -> dict[str, np.ndarray]:
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
     `cuda`, attention as a CUDA GPU runs it (`cuda_attention_in_place`). A language model's logits are a part
     of their own (pipeline.memory.is_logits), as in a measured breakdown."""
     from pipeline.memory import KindPeak, logits_width
 
-    mode, model = fake_model(model_config, precision, checkpointing, task)
+    mode, model = fake_model(model_config, precision, checkpointing, task, peft)
     inputs = _inputs(mode, batch, seq, names, task)
     tracker = KindPeak(model, inputs.values(), vocab=logits_width(model))
     tracker.enter("before" if stretches else "pass")
@@ -459,7 +537,7 @@ def _trace(
 
 
 def optimizer_step(
-    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str = "classification"
+    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str = "classification", peft=None
 ) -> tuple[dict | None, str]:
     """Parts (MB) at the peak of two optimizer steps (the first creates the state) with every gradient in
     place, and how they were found; None when the step cannot run on fake tensors. A deep model's is
@@ -473,19 +551,23 @@ def optimizer_step(
     try:
         shallow = _shallow_pair(model_config, task)
         if shallow is None:
-            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task)
+            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task, peft)
         else:
-            a, b = (_optimizer_step(c, precision, checkpointing, spec, cfg, cuda, task) for c in shallow)
+            a, b = (
+                _optimizer_step(c, precision, checkpointing, spec, cfg, cuda, task, peft) for c in shallow
+            )
             at_peak = _to_depth(a, b, model_config.num_hidden_layers)
         return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
     except Exception as err:  # a kernel that needs real data (bitsandbytes)
         return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
 
 
-def _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str) -> np.ndarray:
+def _optimizer_step(
+    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str, peft: str | None
+) -> np.ndarray:
     from pipeline.memory import KindPeak
 
-    mode, model = fake_model(model_config, precision, checkpointing, task)
+    mode, model = fake_model(model_config, precision, checkpointing, task, peft)
     with mode:
         for p in model.parameters():
             if p.requires_grad:
@@ -543,11 +625,12 @@ def simulate(
 
     precision, task = cfg.train.precision, cfg.task.name
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
-    _, model = fake_model(model_config, precision, checkpointing, task)
+    peft = peft_settings(cfg)  # the adapters (peft=lora / qlora), None for full fine-tuning
+    _, model = fake_model(model_config, precision, checkpointing, task, peft)
     vocab = logits_width(model)
     params = optimizers.param_infos(model)
     state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
-    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task)
+    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft)
     fb = reported(steps.parts(batch), vocab)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
@@ -558,7 +641,7 @@ def simulate(
     if key not in _OPTIMIZER_STEP:
 
         def step() -> list:
-            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task))
+            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task, peft))
 
         _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
     step, method = _OPTIMIZER_STEP[key]

@@ -88,7 +88,7 @@ def logits_line(metrics: dict) -> str | None:
 def plan_result(cfg) -> dict:
     """The record of a plan job: the predicted parts and peak of a training step (per rank for several) at the
     configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
-    from pipeline import models, optimizers, predict  # predict: the field's rules of thumb
+    from pipeline import adapters, models, optimizers, predict  # predict: the field's rules of thumb
 
     start = time.perf_counter()
     spec = optimizers.spec_for(cfg.optim)
@@ -100,9 +100,16 @@ def plan_result(cfg) -> dict:
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
     prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names)
     model = prediction["model"]
-    num_params = sum(p.numel() for p in model.parameters())
+    # as a job counts them (measurements.model_size): a 4-bit weight (peft=qlora) the weights it packs
+    num_params = sum(adapters.weights(p) for p in model.parameters())
     metrics = {
         "model_num_params": num_params,
+        # with adapters (peft=lora / qlora), what trains, as a job logs it
+        **(
+            {}
+            if adapters.name(cfg) == "none"
+            else {"model_trainable_params": adapters.trainable_params(model)}
+        ),
         "estimated_optimizer_state_mb": prediction["state"],
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},

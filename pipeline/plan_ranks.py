@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from pipeline import MB
+from pipeline import MB, adapters
 from pipeline.plan import MAX_BATCH, PART_KEYS, _stack, fake_mode, reported
 
 SOURCES = {
@@ -77,7 +77,7 @@ class Layout:
         self.spec, self.cfg, self.foreach, self.nccl_mb = spec, cfg, foreach, nccl_mb
         self.config = model.config
         params = list(model.parameters())
-        self.num_params = sum(p.numel() for p in params)
+        self.num_params = sum(adapters.weights(p) for p in params)  # a 4-bit weight's: the weights it packs
         self.weights = sum(p.numel() * p.element_size() for p in params)  # bytes
         self.buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         trainable = [p for p in params if p.requires_grad]

@@ -402,9 +402,9 @@ def is_plan_job(jobs: pd.DataFrame) -> pd.Series:
 def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     """The plan: a training step's predicted parts and peak per optimizer x model x precision (x batch,
     checkpointing, device), whether it fits, the largest batch that does, beside the rules of thumb."""
-    done = jobs[is_plan_job(jobs) & (jobs.status == "FINISHED")].reindex(
-        columns=list(dict.fromkeys([*PLAN_KEYS, *PLAN_COLUMNS.values()]))
-    )
+    plans = with_method(jobs[is_plan_job(jobs) & (jobs.status == "FINISHED")])
+    method = [METHOD] if METHOD in plans else []  # where some plan is of adapters (LoRA, QLoRA): after optim
+    done = plans.reindex(columns=list(dict.fromkeys([*PLAN_KEYS, *method, *PLAN_COLUMNS.values()])))
     if done.empty:
         return pd.DataFrame()
     values = done[list(PLAN_COLUMNS.values())].astype(float).set_axis(list(PLAN_COLUMNS), axis=1)
@@ -413,17 +413,21 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         k
         for k in PLAN_KEYS
         if done[k].notna().any() and not (done[k].astype(str) == PLAN_DEFAULTS.get(k, "\0")).all()
-    ]
+    ] + method
     table = pd.concat([done[keys], values], axis=1).dropna(axis=1, how="all")
     if "world_size" in table:  # a param: text; ranks sort as numbers
         table["world_size"] = table.world_size.astype(int)
     table["optim"] = pd.Categorical(table.optim, _optimizer_order(table.optim, baseline))
     if "sharding" in table:  # from the least sharded to the most
         table["sharding"] = pd.Categorical(table.sharding, ["none", "zero1", "zero2", "fsdp"])
+    if method:
+        table[METHOD] = pd.Categorical(table[METHOD], method_order(table[METHOD]))
     table = table.sort_values(keys, ignore_index=True)
     table["optim"] = table.optim.astype(str)
     if "sharding" in table:
         table["sharding"] = table.sharding.astype(str)
+    if method:
+        table[METHOD] = table[METHOD].astype(str)
     labels = {**KEY_LABELS, "gradient_checkpointing": "checkpointing", "world_size": "ranks"}
     return table.rename(columns=labels)
 
@@ -465,9 +469,20 @@ def ranks_verdict(table: pd.DataFrame) -> list[str]:
         key = dict(zip(group, key if isinstance(key, tuple) else (key,), strict=True))
         on = key.get("device_memory") or f"{key.get('budget [MB]', 0):,.0f} MB"
         head = f"{key.get('model', '')} on {on}" + (f", batch {int(key[batch])}/rank" if batch in key else "")
-        each = [f"{o} {_ranks_phrase(r)}" for o, r in rows.groupby(KEY_LABELS["optim"], sort=False)]
+        each = [f"{o} {_ranks_phrase(r)}" for o, r in rows.groupby(_way(rows), sort=False)]
         lines.append(f"{head}: " + "; ".join(each))
     return lines
+
+
+def _way(plan):
+    """How a plan row (a Series) or each row of a plan table (a DataFrame) trains, as a verdict names it and
+    `--baseline` takes it: the optimizer (`adamw`), and the method besides full fine-tuning (`adamw lora r=16`)."""
+    optim = plan[KEY_LABELS["optim"]]
+    if METHOD not in plan:
+        return optim if isinstance(plan, pd.DataFrame) else str(optim)
+    if isinstance(plan, pd.DataFrame):
+        return optim.where(plan[METHOD].eq(FULL), optim + " " + plan[METHOD])
+    return str(optim) if plan[METHOD] == FULL else f"{optim} {plan[METHOD]}"
 
 
 def plan_verdict(plans: pd.DataFrame) -> list[str]:
@@ -532,13 +547,10 @@ def fit_verdict(plans: pd.DataFrame) -> list[str]:
             n = row.get(largest)
             said = [f"{'largest ' if i == 0 else ''}{int(n)}" if pd.notna(n) else "", _left(row)]
             said = "; ".join(x for x in said if x)
-            sizes.append(f"{row[optimizer]} ({said})" if said else str(row[optimizer]))
+            sizes.append(f"{_way(row)} ({said})" if said else _way(row))
         lead = f"fits {where} at batch {first[batch]}" + (f" ({setting})" if setting else "")
         no = rows[rows.fits.ne("yes")]
-        short = [
-            f"{row[optimizer]} ({_left(row)})" if _left(row) else str(row[optimizer])
-            for _, row in no.iterrows()
-        ]
+        short = [f"{_way(row)} ({_left(row)})" if _left(row) else _way(row) for _, row in no.iterrows()]
         line = f"{lead}: {', '.join(sizes) or 'none'}" + (
             f"; does not fit: {', '.join(short)}" if short else ""
         )
