@@ -1,16 +1,20 @@
-"""`make fit-table`: docs/fit-table.md, from plans only (pipeline.plan, pipeline.plan_ranks): for each task
-(a sequence classifier, or task=causal_lm: the decoder with its LM head, next-token labels) x shipped decoder x
-optimizer x precision x gradient checkpointing x sequence length, on each named GPU, the smallest number of
-GPUs at which one sample per GPU fits (over the shardings each optimizer can take) and the largest batch per GPU
-there. Nothing is trained and no GPU measured it: every figure is a simulated step.
+"""`make fit-table`: docs/fit-table.md and .csv, from plans only (pipeline.plan, pipeline.plan_ranks): for each
+task (a sequence classifier, or task=causal_lm: the decoder with its LM head, next-token labels) x shipped
+decoder x method (full fine-tuning with each optimizer; LoRA and QLoRA adapters with AdamW) x precision x
+gradient checkpointing x sequence length, on each named GPU, the smallest number of GPUs at which one sample per
+GPU fits (over the shardings each can take) and the largest batch per GPU there. Nothing is trained and no GPU
+measured it: every figure is a simulated step. The simulated passes and optimizer steps are kept under
+outputs/cache/plan (pipeline.cache), so a rerun plans again only what changed.
 
-    python -m bench.fit_table                      # the whole table (504 rows: 14 min on 2 CPU cores)
-    python -m bench.fit_table --tasks causal_lm --models qwen2.5-0.5b --optims adamw --out /tmp/fit.md
+    python -m bench.fit_table                      # the whole table (648 rows)
+    python -m bench.fit_table --tasks causal_lm --models qwen2.5-0.5b --optims adamw --peft qlora --out /tmp/fit.md
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.metadata
 import itertools
 import platform
 import sys
@@ -35,20 +39,26 @@ SEQS = (512, 2048)
 # one GPU per memory size (pipeline.plan.DEVICE_MEMORY_GB; the others of a size fit alike)
 GPUS = ("t4", "a10", "v100-32gb", "a100-40gb", "l40s", "h100-80gb", "h200")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+# the adapters' rows (conf/peft: rank 16 on the family's attention projections; QLoRA's base in 4-bit NF4), each
+# with AdamW only: beside full fine-tuning's AdamW row, what the adapters change
+PEFT = ("lora", "qlora")
+PEFT_OPTIMS = ("adamw",)
 
 
-def shardings_for(optim: str) -> tuple[str, ...]:
+def shardings_for(optim: str, peft: str = "none") -> tuple[str, ...]:
+    """The shardings a row is planned with: DDP and ZeRO-1 only for the optimizers of whole matrices and for
+    adapters (plan=true refuses zero2 and fsdp with them: config._check_peft)."""
     from pipeline.config import MATRIX_OPTIMIZERS
 
-    return ("none", "zero1") if optim.startswith(MATRIX_OPTIMIZERS) else SHARDINGS
+    return ("none", "zero1") if peft != "none" or optim.startswith(MATRIX_OPTIMIZERS) else SHARDINGS
 
 
-def cell(prediction, layout, optim: str, budget: float, extra: float) -> str:
+def cell(prediction, layout, optim: str, budget: float, extra: float, peft: str = "none") -> str:
     """`N sharding, b/GPU`: the smallest N (ties: the largest batch) over the shardings, or `-`."""
     from pipeline import plan_ranks
 
     best = None
-    for sharding in shardings_for(optim):
+    for sharding in shardings_for(optim, peft):
         n = plan_ranks.smallest_world(prediction, layout, sharding, 1, budget, extra)
         if n is None:
             continue
@@ -61,19 +71,33 @@ def cell(prediction, layout, optim: str, budget: float, extra: float) -> str:
     return f"{n}{' ' + sharding if sharding else ''}, {min(batch, 9999)}"
 
 
-def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: dict[str, str]):
-    """The table's rows of one task; a model the plan cannot simulate gets n/a cells, and why in `failed`
-    (`model (task)` -> reason)."""
+def plan_store(outputs_dir: Path):
+    """Where the simulated passes and optimizer steps are kept between runs (<outputs_dir>/cache/plan, as a
+    sweep's jobs keep theirs), under the plan's code and the libraries it simulates."""
+    from pipeline import cache, measurements
+
+    versions = measurements.library_versions()
+    versions |= {name: importlib.metadata.version(name) for name in measurements.PEFT_LIBRARIES}
+    sources = measurements.PLAN_SOURCES + measurements.PEFT_SOURCES
+    return cache.Store(cache.folder(outputs_dir, "plan"), "fit table", versions, sources=sources)
+
+
+def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: dict[str, str], pefts, store):
+    """The table's rows of one task: full fine-tuning with each of `optims`, then each of `pefts`' adapters
+    with PEFT_OPTIMS; a model the plan cannot simulate gets n/a cells, and why in `failed` (`model (task)` ->
+    reason)."""
     from hydra import compose, initialize_config_dir
 
+    from pipeline import adapters, optimizers, plan, plan_ranks
     from pipeline import models as catalog
-    from pipeline import optimizers, plan, plan_ranks
 
     extra = plan.CUBLAS_WORKSPACES_MB
+    ways = [("none", o) for o in optims] + [(p, o) for p in pefts for o in PEFT_OPTIMS]
     for model, precision, ckpt in itertools.product(models, precisions, checkpointing):
-        for optim in optims:
+        for peft, optim in ways:
             overrides = [f"model={model}", f"task={task}", f"optim={optim}", f"train.precision={precision}"]
             overrides += ["plan=true", f"train.gradient_checkpointing={str(ckpt == 'on').lower()}"]
+            overrides += [f"peft={peft}"]
             with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
                 cfg = compose("config", overrides)
             spec = optimizers.spec_for(cfg.optim)
@@ -84,10 +108,10 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
                 config.pad_token_id = 0
             names = tuple(catalog.load_tokenizer(cfg.model, local_only=True).model_input_names)
             layout = None
-            key = [model, task, optim, precision, ckpt]
+            key = [model, task, adapters.method(cfg), optim, precision, ckpt]
             for seq in seqs:
                 try:
-                    prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names)
+                    prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names, store=store)
                 except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
                     failed[f"{model} ({task})"] = str(err)
                     yield [*key, str(seq), *["n/a"] * len(gpus)]
@@ -95,7 +119,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
                 if layout is None:
                     nccl = plan_ranks.NCCL_BUFFERS_MB
                     layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True, nccl_mb=nccl)
-                cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra) for g in gpus]
+                cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra, peft) for g in gpus]
                 yield [*key, str(seq), *cells]
 
 
@@ -104,8 +128,7 @@ def page(
 ) -> str:
     from pipeline import plan, plan_ranks
 
-    header = ["model", "task", "optimizer", "precision", "checkpointing", "seq [tokens]"]
-    header += [f"{g} ({plan.usable_mb(g):,.0f} MB)" for g in GPUS]
+    header = columns()
     lines = [
         "# Fit table: how many GPUs, and what batch per GPU",
         "",
@@ -128,7 +151,14 @@ def page(
         "fp32, and their gradient in backward. Attention "
         "as CUDA's fused kernels run it (flash or memory-efficient: no heads x S x S probabilities kept), the "
         "optimizer's own step "
-        "(`foreach` on CUDA), gradient clipping. GaLore, APOLLO and Muon work on whole weight matrices: planned with DDP and ZeRO-1 only. Not planned: "
+        "(`foreach` on CUDA), gradient clipping. GaLore, APOLLO and Muon work on whole weight matrices: planned "
+        "with DDP and ZeRO-1 only. Column `method`: `full` trains every weight; `lora r=16` trains rank-16 LoRA "
+        "adapters (peft) on the attention projections, the base frozen (no gradients, no state), a classifier's "
+        "head in full; `qlora r=16 nf4` the same on a base whose Linear layers are 4-bit NF4 (bitsandbytes, "
+        "double quantization), as `peft=lora` and `peft=qlora` train them (docs/plan.md#lora-and-qlora-peft); the "
+        "adapters' rows with AdamW only, and **planned on one GPU, with DDP and with ZeRO-1 only**: `plan=true` "
+        "refuses ZeRO-2 and FSDP with adapters (it counts shards of whole trainable weights, not flat shards of a "
+        "frozen base and its adapters). Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
         + "."
         + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in failed.items()),
@@ -141,17 +171,34 @@ def page(
     return "\n".join(lines)
 
 
+def columns() -> list[str]:
+    from pipeline import plan
+
+    header = ["model", "task", "method", "optimizer", "precision", "checkpointing", "seq [tokens]"]
+    return header + [f"{g} ({plan.usable_mb(g):,.0f} MB)" for g in GPUS]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--models", default=None, help="a,b,c for every task (default: each task's MODELS)")
-    parser.add_argument("--optims", default=",".join(OPTIMS))
+    parser.add_argument("--optims", default=",".join(OPTIMS), help="full fine-tuning's optimizers")
+    parser.add_argument(
+        "--peft",
+        default=",".join(PEFT),
+        help=f"the adapters' rows, each with {','.join(PEFT_OPTIMS)} ('': none)",
+    )
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument(
         "--checkpointing", default=",".join(CHECKPOINTING), help="off,on: gradient checkpointing"
     )
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "fit-table.md")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs" / "fit-table.md", help="and its .csv beside it"
+    )
+    parser.add_argument(
+        "--outputs-dir", type=Path, default=ROOT / "outputs", help="its cache/plan keeps the simulated steps"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -159,13 +206,17 @@ def main(argv=None) -> int:
     command = "python -m bench.fit_table " + " ".join(sys.argv[1:] if argv is None else argv)
     models = {t: args.models.split(",") if args.models else MODELS[t] for t in args.tasks.split(",")}
     optims, precisions, seqs = args.optims.split(","), args.precisions.split(","), args.seqs.split(",")
-    checkpointing = args.checkpointing.split(",")
-    total = sum(map(len, models.values())) * len(optims) * len(precisions) * len(checkpointing) * len(seqs)
+    checkpointing, pefts = args.checkpointing.split(","), [p for p in args.peft.split(",") if p]
+    ways = len(optims) + len(pefts) * len(PEFT_OPTIMS)
+    total = sum(map(len, models.values())) * ways * len(precisions) * len(checkpointing) * len(seqs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     found = []
     failed: dict[str, str] = {}
     lengths = [int(s) for s in seqs]
+    store = plan_store(args.outputs_dir)
     planned = (
-        rows(t, m, optims, precisions, checkpointing, lengths, GPUS, failed) for t, m in models.items()
+        rows(t, m, optims, precisions, checkpointing, lengths, GPUS, failed, pefts, store)
+        for t, m in models.items()
     )
     for row in itertools.chain.from_iterable(planned):
         found.append(row)
@@ -174,6 +225,8 @@ def main(argv=None) -> int:
         minutes = (time.perf_counter() - start) / 60
         done = "" if len(found) == total else f" (stopped early? {len(found)} of {total} rows so far)"
         args.out.write_text(page(found, failed, command.strip() + done, minutes, torch.__version__))
+        with args.out.with_suffix(".csv").open("w", newline="") as f:
+            csv.writer(f).writerows([columns(), *found])
     print(f"[fit-table] {args.out} ({len(found)} rows, {(time.perf_counter() - start) / 60:.1f} min)")
     return 0
 
