@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -43,9 +44,11 @@ def leaf_keys(node, prefix: str = "") -> set[str]:
     return {key for name, value in node.items() for key in leaf_keys(value, f"{prefix}{name}" + ".")}
 
 
-def group_keys(group: str, package: str | None) -> set[str] | None:
+@functools.cache
+def group_keys(group: str, package: str | None) -> frozenset[str] | None:
     """Every key an option of a config group can set (all its options: a sweep function may pick any),
-    or None when that cannot be told (a group outside conf/, or an option that pulls in other groups)."""
+    or None when that cannot be told (a group outside conf/, or an option that pulls in other groups); its
+    option files read once per process (a sweep's start asks for the same groups several times)."""
     folder = CONF_DIR / group
     if not folder.is_dir():
         return None
@@ -63,7 +66,7 @@ def group_keys(group: str, package: str | None) -> set[str] | None:
             keys |= {key.rstrip(".") for key in leaf_keys(raw)}
         else:
             keys.add(where.replace("_group_", group.replace("/", ".")))
-    return keys
+    return frozenset(keys)
 
 
 @dataclass
