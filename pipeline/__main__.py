@@ -7,8 +7,12 @@ import sys
 
 from pipeline import starter
 
-# the jobs' starter begins importing torch & co. now, while this process imports Hydra and MLflow
 if __name__ == "__main__":
+    # no cyclic garbage collection while this process starts: its imports (Hydra, MLflow, pandas, matplotlib)
+    # make few cycles but would pay for passes over a heap that keeps growing (a fifth of their CPU); a sweep
+    # collects once when it has started (pipeline.sweep), a single run turns the collector on in main
+    gc.disable()
+    # the jobs' starter begins importing torch & co. now, while this process imports Hydra and MLflow
     starter.prestart_from_command(sys.argv[1:])
 
 import hydra  # noqa: E402
@@ -49,6 +53,7 @@ OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    gc.enable()  # (off while the command started)
     if HydraConfig.get().mode == RunMode.RUN:
         # a single run fails fast on bad input; in a sweep, a bad point becomes a FAILED run and the rest go on
         try:
