@@ -35,7 +35,7 @@ SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
 .PHONY: install run report test test-slow test-ci coverage test-cluster test-matrix test-gpu ui server lint clean bench bench-full \
-	plan-accuracy plan-accuracy-ranks fit-table optimizer-table bench-server bench-server-slurm slurm-up postgres-up
+	plan-accuracy plan-accuracy-ranks fit-table methods-table optimizer-table bench-server bench-server-slurm slurm-up postgres-up
 
 install: $(VENV)/.installed
 
@@ -105,10 +105,18 @@ plan-accuracy-ranks: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.plan_ranks
 
 # how many GPUs and what batch per GPU, from plans only (no GPU): the shipped decoders as classifiers and as
-# causal LMs x optimizers x precision x checkpointing x seq 512/2048 x named GPUs -> docs/fit-table.md (504
-# rows, 14 min on 2 CPU cores)
+# causal LMs x optimizers, and LoRA and QLoRA with AdamW (one GPU, DDP, ZeRO-1) x precision x checkpointing x
+# seq 512/2048 x named GPUs -> docs/fit-table.md and .csv (648 rows, 24 min on 2 busy CPU cores; a rerun reads
+# the simulated steps back from outputs/cache/plan and simulates only what changed)
 fit-table: install
 	$(BIN)/python -m bench.fit_table
+
+# the ways to train side by side (AdamW, 8-bit AdamW, Adafactor, GaLore, APOLLO; LoRA and QLoRA with AdamW):
+# measured by a real sweep of 20-step jobs on DistilBERT (random weights) on this machine, and planned for
+# Llama-3.1-8B in bf16 on an RTX 4090 -> docs/methods-table.md and .csv (about 28 min on 2 busy CPU cores; a
+# rerun trains only what is missing: outputs/methods-table)
+methods-table: install
+	$(BIN)/python -m bench.methods_table
 
 # every registered optimizer on distilbert-base-cased as a classifier and on gpt2-tiny as a causal LM (random
 # weights, 2 steps each, a real sweep each): the state measured against the analytic and the meta-device-step

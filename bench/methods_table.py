@@ -253,8 +253,9 @@ def page(measured, planned, verdicts, train_cmds, plan_cmds, times, steps: int) 
         "tensor-level accounting); *predicted peak*: the job's own plan of its step from shapes alone "
         "(`predicted_peak_mb`), and its error against the peak (`predicted_peak_error_pct`); *trainable params*: "
         "what the optimizer updates (the adapters and the classifier's head, `pre_classifier` included, for LoRA "
-        "and QLoRA); throughput over the steady steps (`train_samples_per_second`), on cores other jobs were "
-        "using at the same time. **Quality after so few steps from random weights says nothing about the "
+        "and QLoRA); throughput over the steady steps (`train_samples_per_second`), measured while other "
+        "jobs shared the cores, at a load that changed from job to job: it compares the load as much as the ways "
+        "to train. **Quality after so few steps from random weights says nothing about the "
         "methods' quality**: the eval figures (200 held-out texts) are here to show that every way ran end to "
         "end, not to rank them ([tuning.md](tuning.md) for a fair comparison).",
         "",
