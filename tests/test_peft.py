@@ -122,7 +122,9 @@ def test_impossible_combinations_are_one_line():
         "frozen base's too (use an optimizer that keeps state for the trainable parameters only, e.g. "
         "optim=lomo or adamw; or peft=none)"
     )
-    with pytest.raises(ConfigError, match=r"^plan=true is invalid with peft=qlora and train.sharding=zero2: "):
+    with pytest.raises(
+        ConfigError, match=r"^plan=true is invalid with peft=qlora and train.sharding=zero2: "
+    ):
         validate(compose_cfg("model=tiny", "peft=qlora", "plan=true", "train.sharding=zero2"))
     with pytest.raises(ConfigError, match=r"^peft.r=0 is invalid: must be a positive integer"):
         validate(compose_cfg("model=tiny", "peft=lora", "peft.r=0"))

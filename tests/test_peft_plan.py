@@ -45,7 +45,10 @@ def held_bytes(model) -> dict[str, int]:
     ("model_name", "overrides"),
     [
         ("tiny", ["peft=qlora"]),
-        ("llama-tiny", ["peft=qlora", "task=causal_lm", "peft.double_quant=false", "train.precision=bf16_pure"]),
+        (
+            "llama-tiny",
+            ["peft=qlora", "task=causal_lm", "peft.double_quant=false", "train.precision=bf16_pure"],
+        ),
         ("gpt2-tiny", ["peft=qlora", "peft.target_modules=all-linear"]),  # Conv1D layers, transposed
         ("distilbert-base-cased", ["peft=lora", "model.pretrained=false"]),  # pre_classifier trained in full
     ],
@@ -82,7 +85,13 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
     lora = json.loads(plan.peft_settings(compose_cfg("peft=lora")))
     assert lora == {"name": "lora", "r": 16, "dropout": 0.05, "target_modules": None}
     qlora = json.loads(plan.peft_settings(compose_cfg("peft=qlora")))
-    assert qlora == {**lora, "name": "qlora", "quant_type": "nf4", "double_quant": True, "compute_dtype": None}
+    assert qlora == {
+        **lora,
+        "name": "qlora",
+        "quant_type": "nf4",
+        "double_quant": True,
+        "compute_dtype": None,
+    }
     key = plan.peft_settings
     same = key(compose_cfg("peft=lora", "peft.alpha=8", "peft.save_adapter=true"))
     assert same == key(compose_cfg("peft=lora"))
@@ -125,7 +134,12 @@ def run_job(tmp_path, model_name, peft, *overrides, steps=2):
     from pipeline import job
 
     fixed = ["train.padding=max_length", "train.max_length=32", "batch_size=4", f"train.max_steps={steps}"]
-    fixed += ["backend=accelerator", "data.max_train_samples=32", "data.max_eval_samples=4", "eval.batch_size=4"]
+    fixed += [
+        "backend=accelerator",
+        "data.max_train_samples=32",
+        "data.max_eval_samples=4",
+        "eval.batch_size=4",
+    ]
     fixed += ["data.val_fraction=0", f"outputs_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", [f"model={model_name}", f"peft={peft}", *fixed, *overrides])
@@ -167,7 +181,9 @@ def test_a_plan_that_left_out_the_4bit_base_or_the_adapters_would_miss_by_far_mo
         return 100 * (found["peak"] / m["peak_memory_mb"] - 1)
 
     # (the job's batch: its tokenizer's tensors; a plain one here)
-    assert error(plan.simulate(config, spec, cfg, 4, 32)) == pytest.approx(m["predicted_peak_error_pct"], abs=0.01)
+    assert error(plan.simulate(config, spec, cfg, 4, 32)) == pytest.approx(
+        m["predicted_peak_error_pct"], abs=0.01
+    )
     monkeypatch.setattr(adapters, "quantize", lambda model, peft_cfg, device: None)  # a full-precision base
     monkeypatch.setattr(plan, "_PROFILES", {})
     monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
@@ -180,7 +196,11 @@ def test_a_plan_that_left_out_the_4bit_base_or_the_adapters_would_miss_by_far_mo
 
 def test_a_plan_of_lora_and_qlora_is_valid_and_sharded_adapters_are_one_line():
     validate(compose_cfg("model=tiny", "peft=qlora", "plan=true"))
-    validate(compose_cfg("model=tiny", "peft=lora", "plan=true", "launcher.nproc_per_job=2", "train.sharding=zero1"))
+    validate(
+        compose_cfg(
+            "model=tiny", "peft=lora", "plan=true", "launcher.nproc_per_job=2", "train.sharding=zero1"
+        )
+    )
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg("model=tiny", "peft=lora", "plan=true", "train.sharding=fsdp"))
     assert str(err.value) == (
@@ -198,5 +218,7 @@ def test_an_8b_plan_says_which_method_fits_a_24_gb_gpu():
     # r x (in + out) for q, k, v, o of 32 layers (k, v: 8 heads of 128, grouped-query) + the score head's copy
     trainable = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024)) + 4096 * 2
     assert found["qlora"]["model_trainable_params"] == trainable
-    assert found["qlora"]["model_num_params"] == found["none"]["model_num_params"] + trainable  # 4-bit: unpacked
+    assert (
+        found["qlora"]["model_num_params"] == found["none"]["model_num_params"] + trainable
+    )  # 4-bit: unpacked
     assert found["qlora"]["predicted_peak_params_mb"] < found["none"]["predicted_peak_params_mb"] / 3
