@@ -31,7 +31,6 @@ import contextlib
 import functools
 import json
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -119,11 +118,27 @@ def _with_adapters(model, settings: dict, task: str):
     from pipeline import adapters
 
     settings = OmegaConf.create({"alpha": settings["r"], **settings})
-    with _assigned_conversions(), warnings.catch_warnings():
-        # peft's trainable copy of a classifier's head is a deepcopy, whose check of each tensor's data pointer
-        # torch warns of for a fake tensor (which has none; the copy is fake as well)
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
+    with _assigned_conversions(), _cloned_copies():
         return adapters.apply(model, settings, task, model.config.model_type)
+
+
+@contextlib.contextmanager
+def _cloned_copies():
+    """Within it, a deepcopy of a fake tensor (peft's trainable copy of a classifier's head) is its clone, a
+    fake tensor of its own. Torch's own deepcopy reads a tensor's data pointer, which a fake tensor lacks, and
+    copies its storage by hand: the copies it made corrupted the heap, and the process crashed at exit."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def clone(tensor, memo):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = tensor.clone()
+        return memo[id(tensor)]
+
+    FakeTensor.__deepcopy__ = clone
+    try:
+        yield
+    finally:
+        del FakeTensor.__deepcopy__  # torch.Tensor's again
 
 
 @contextlib.contextmanager
