@@ -24,16 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# (peft, optim): the ways to train, in the table's order
-WAYS = (
-    ("none", "adamw"),
-    ("none", "adamw_8bit"),
-    ("none", "adafactor"),
-    ("none", "galore_adamw"),
-    ("none", "apollo_adamw"),
-    ("lora", "adamw"),
-    ("qlora", "adamw"),
-)
+# (peft, optim): the ways to train, in the table's order, and the table's name for each
 NAMES = {
     ("none", "adamw"): "AdamW",
     ("none", "adamw_8bit"): "8-bit AdamW",
@@ -43,6 +34,7 @@ NAMES = {
     ("lora", "adamw"): "LoRA + AdamW",
     ("qlora", "adamw"): "QLoRA + AdamW",
 }
+WAYS = tuple(NAMES)
 # the measured jobs: DistilBERT from its architecture (no pretrained weights offline), short texts, few steps
 MEASURED = [
     "model=distilbert-base-cased",
