@@ -137,11 +137,11 @@ def cancel_scheduled(sweep_dir: Path, launcher: str, wait_s: float = 30) -> list
     hold no result yet), as submitit's own job objects do: SLURM's through `scancel`, the local executor's by
     SIGINT to its controller process (whose pid is the job id), which stops its tasks, waited for up to
     `wait_s`. The ids of the jobs cancelled."""
-    from submitit.core.utils import JobPaths
-
     folder = Path(sweep_dir) / SUBMITIT_DIR
     if launcher not in SCHEDULED or not folder.is_dir():
         return []
+    from submitit.core.utils import JobPaths
+
     # the job folders (`<id>`, `<array id>_<task>`): not the submission's template folder nor its script
     jobs = [p for p in sorted(folder.iterdir()) if p.is_dir() and re.fullmatch(r"\d+(_\d+)?", p.name)]
     names = [p.name for p in jobs]  # an array's own folder `<id>` beside its tasks' `<id>_<n>` is no job

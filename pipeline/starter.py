@@ -190,17 +190,38 @@ def refusal(path: str) -> str | None:
 
 def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
     """Whether this process has initialised CUDA (or was forked from one that had: a bad fork), as torch says,
-    or has the CUDA driver's library loaded: a CUDA runtime call that leaves torch's own flags unset
-    (cudaGetDeviceCount, which torch's availability check makes where NVML cannot answer) loads it, and a fork
-    after it is as unusable. (`maps`: this process's memory map.)"""
+    or as the CUDA driver says: a CUDA runtime call that leaves torch's own flags unset (cudaGetDeviceCount,
+    which torch's availability check makes where NVML cannot answer) initialises the driver, and a fork after it
+    is as unusable. The driver's library merely loaded is not that: a CUDA build of torch loads it at import
+    (torch 2.11+cu130 on an H200, where a child forked after pipeline.preload's imports ran CUDA). So where
+    this process's memory map (`maps`) holds the library, the library is asked (driver_initialised)."""
     import torch
 
     if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
         return True
     try:
-        return "/libcuda.so" in Path(maps).read_text()
+        lines = Path(maps).read_text().splitlines()
     except OSError:
         return False
+    library = next((line.split(maxsplit=5)[-1] for line in lines if "/libcuda.so" in line), None)
+    return library is not None and driver_initialised(library)
+
+
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def driver_initialised(library: str) -> bool:
+    """Whether the CUDA driver `library`, loaded in this process, has been initialised (cuInit): until then each
+    of its other entry points, cuDeviceGetCount here, answers CUDA_ERROR_NOT_INITIALIZED and initialises
+    nothing. A library that cannot be asked counts as initialised: its jobs start cold, which always works."""
+    import ctypes
+
+    try:
+        get_count = ctypes.CDLL(library).cuDeviceGetCount
+    except (OSError, AttributeError):
+        return True
+    count = ctypes.c_int()
+    return get_count(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def keep_seconds(env: dict) -> float:

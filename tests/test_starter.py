@@ -3,6 +3,7 @@ the starter never touches CUDA, and both ways record the same figures, from the 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,17 +148,38 @@ def cold_sweep_under(tmp_path, site: str) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("[job]")]
 
 
-def test_the_driver_library_loaded_counts_as_cuda_initialised(tmp_path):
-    """A CUDA runtime call that torch's flags do not record (cudaGetDeviceCount) loads the driver's library: the
-    starter reads its memory map for it."""
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcudart.so.12\n")
-    assert not starter.cuda_initialised(str(maps))
-    maps.write_text(
-        maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.580.1\n"
-    )
-    assert starter.cuda_initialised(str(maps))
+def fake_driver(folder: Path, answer: int) -> Path:
+    """A shared library named as the CUDA driver's whose cuDeviceGetCount answers `answer` (3: not initialised)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in driver library")
+    folder.mkdir()
+    source = folder / "driver.c"
+    source.write_text(f"int cuDeviceGetCount(int *count) {{ *count = 1; return {answer}; }}\n")
+    library = folder / "libcuda.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def test_the_driver_library_counts_as_initialised_only_when_it_says_so(tmp_path):
+    """A CUDA build of torch loads the driver's library at import and a fork after that uses CUDA (seen on an
+    H200): the starter asks the library, which answers CUDA_ERROR_NOT_INITIALIZED until a runtime call that
+    torch's flags do not record (cudaGetDeviceCount) initialised it. A library that cannot be asked counts as
+    initialised (cold starts)."""
     assert not starter.cuda_initialised()  # this CPU process
+    line = "7f02-7f03 r-xp 00000000 08:01 2                          {}\n"
+    cases = {"runtime only": ("/usr/lib/x86_64-linux-gnu/libcudart.so.12", False)}
+    for answer, initialised in ((3, False), (0, True)):
+        library = fake_driver(tmp_path / f"driver{answer}", answer)
+        cases[f"driver answering {answer}"] = (str(library), initialised)
+    cases["driver that cannot be asked"] = (str(tmp_path / "gone" / "libcuda.so.1"), True)
+    for name, (library, _) in cases.items():
+        (tmp_path / name).write_text(line.format(library))
+    # in a process of their own: a library loaded here would stay in this test process's memory map
+    code = "import sys; from pipeline.starter import cuda_initialised; print([cuda_initialised(m) for m in sys.argv[1:]])"
+    maps = [str(tmp_path / name) for name in cases]
+    proc = subprocess.run([sys.executable, "-c", code, *maps], capture_output=True, text=True)
+    assert proc.stdout.strip() == str([initialised for _, initialised in cases.values()]), proc.stderr[-2000:]
 
 
 # A sitecustomize that, in the process that imports pipeline.preload (the starter alone), makes every child it
