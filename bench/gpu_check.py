@@ -341,6 +341,17 @@ def sweep_checks(runs: list, overrides: dict[str, str], device: str) -> list[Che
             f"{n} FINISHED on {device}",
         )
     ]
+    # a job started cold on a GPU costs its imports again (tens of seconds): the step's time-out assumes warm ones
+    start = overrides.get("launcher.start_jobs", "warm")
+    starts = [r.data.tags.get("job_start") for r in runs]
+    checks.append(
+        Check(
+            f"sweep: every job started {start}",
+            bool(starts) and all(s == start for s in starts),
+            ", ".join(f"{s}: {starts.count(s)}" for s in sorted(set(starts), key=str)) or "no runs",
+            f"{start}: {n}",
+        )
+    )
     for r in finished:
         checks.append(plan_check(r, f"{r.data.params.get('backend')} {r.data.params.get('optim')}"))
     return checks

@@ -229,6 +229,7 @@ def test_the_gpu_check_runs_its_steps_and_checks_on_cpu(tmp_path):
     for row in (
         "| peak of a known allocation (256 MiB) | ok | 256.00 MB | 256 MB ± 2% |",
         "| sweep: every job finished on the device | ok | 2 of 2 FINISHED on cpu | 2 FINISHED on cpu |",
+        "| sweep: every job started warm | ok | warm: 2 | warm: 2 |",
         "| plan within 5%: accelerator adamw | ok | ",
         "| plan within 5%: trainer adamw | ok | ",
         "| sweep: its report | ok | ",
