@@ -219,27 +219,20 @@ def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_star
     assert starter_processes(str(tmp_path)) == (None, [])
 
 
-@pytest.mark.slow  # two 2-point sweeps, each with a starter of its own
-@pytest.mark.parametrize("initialised", [False, True])
-def test_a_starter_that_loaded_the_driver_library_serves_jobs_until_the_driver_is_initialised(
-    tmp_path, initialised
-):
-    """As `import torch` on a CUDA build does (seen on an H200), the starter's imports load a driver library,
-    here a stand-in answering as an uninitialised driver or an initialised one: with the first the command's
-    jobs start warm, with the second cold, saying why."""
-    library = fake_driver(tmp_path / "driver", 0 if initialised else 3)
+@pytest.mark.slow  # a one-point sweep with a starter of its own
+def test_a_starter_that_loaded_an_uninitialised_driver_library_serves_warm_jobs(tmp_path):
+    """As `import torch` on a CUDA build does (seen on an H200), the starter's imports load the driver's
+    library, here a stand-in answering as a driver not initialised: the job starts warm and finishes. (A
+    library answering "initialised" counts as CUDA initialised, tested above, and the starter then serves no
+    job, tested below.)"""
+    library = fake_driver(tmp_path / "driver", 3)
     loading = INITIALISING.replace(
         "torch.cuda._initialized = True", f"import ctypes; ctypes.CDLL({str(library)!r})"
     )
-    if initialised:
-        lines = cold_sweep_under(tmp_path, loading)
-        assert len(lines) == 1 and "the job starter serves no job (CUDA was initialised" in lines[0], lines
-        return
-    proc = run_cli(tmp_path, "-m", "seed=0,1", *TINY, env=site_env(tmp_path, loading))
+    proc = run_cli(tmp_path, "-m", "seed=0", *TINY, env=site_env(tmp_path, loading))
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sweep_runs(tmp_path)[1]
-    assert [r.data.tags["job_start"] for r in runs] == ["warm", "warm"]
-    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    assert [(r.data.tags["job_start"], r.info.status) for r in runs] == [("warm", "FINISHED")]
 
 
 # figures that depend on the machine's speed or on the process, not on the job
