@@ -223,8 +223,8 @@ def test_a_starter_whose_imports_initialise_cuda_serves_no_job_and_the_jobs_star
 def test_a_starter_that_loaded_an_uninitialised_driver_library_serves_warm_jobs(tmp_path):
     """As `import torch` on a CUDA build does (seen on an H200), the starter's imports load the driver's
     library, here a stand-in answering as a driver not initialised: the job starts warm and finishes. (A
-    library answering "initialised" counts as CUDA initialised, tested above, and the starter then serves no
-    job, tested below.)"""
+    library answering "initialised" counts as CUDA initialised, and the starter then serves no job: both
+    tested above.)"""
     library = fake_driver(tmp_path / "driver", 3)
     loading = INITIALISING.replace(
         "torch.cuda._initialized = True", f"import ctypes; ctypes.CDLL({str(library)!r})"
