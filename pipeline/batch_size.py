@@ -58,9 +58,11 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
     from accelerate.utils.memory import clear_device_cache
     from omegaconf import OmegaConf
 
+    from pipeline import MB
     from pipeline.state import optimizer_state_size
 
     fitting: dict[int, dict] = {}
+    after_fits: list[int] = []  # CUDA: what a fitting probe left allocated (the weights)
 
     def fits(batch_size: int) -> bool:
         probe = OmegaConf.merge(
@@ -86,6 +88,22 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
             model.zero_grad(set_to_none=True)
             gc.collect()
             clear_device_cache()
+            held_back(batch_size, batch_size in fitting)
+
+    def held_back(batch_size: int, fitted: bool) -> None:
+        """CUDA: say so when a probe that did not fit leaves more allocated than a fitting one did, which the
+        later probes then lack (seen once on an H200, unexplained: every probe after the first that ran out
+        of memory failed)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        now = torch.cuda.memory_allocated()
+        if fitted:
+            after_fits.append(now)
+        elif after_fits and now - min(after_fits) > MB:
+            say(f"batch {batch_size}: {(now - min(after_fits)) / MB:.1f} MB of what it allocated are still held "
+                "after it ended: the later probes have that much less room")  # fmt: skip
 
     return largest_fitting(fits, upper=len(splits.train)), fitting
 
