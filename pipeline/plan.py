@@ -591,9 +591,10 @@ def reduction_buffers(
     (none: all) of a tensor of `shape` and `strides` (in elements) with elements of `element_size` bytes,
     accumulated in `acc_size` bytes, on a GPU of `grid` (multiprocessors, threads per multiprocessor): none
     when one block reduces each output; else the blocks' partial results and their semaphores, as the kernel
-    asks for them (the allocator rounds each up to 512 bytes). Large only where the reduced dimension is not the contiguous one and many
-    blocks share an output: Adafactor's column mean of a 30,522 x 384 matrix takes 93,782,016 bytes on an
-    H200, twice the matrix. (An input past 2^31 elements, which torch splits, is sized as one.)"""
+    asks for them (the allocator rounds each up to 512 bytes). Large only where the reduced dimension is not
+    the contiguous one and many blocks share an output: Adafactor's column mean of a 30,522 x 384 matrix
+    takes 93,782,016 bytes on an H200, twice the matrix. (An input past 2^31 elements, which torch splits,
+    is sized as one.)"""
     dims = {d % len(shape) for d in dims} if dims else set(range(len(shape)))
     sizes = [(st, n, i in dims) for i, (n, st) in enumerate(zip(shape, strides, strict=True)) if n > 1]
     # TensorIterator's dimensions: the reduced ones first, each kind by stride, adjacent ones coalesced
@@ -670,8 +671,8 @@ class CudaReductionBuffers(TorchDispatchMode):
         kwargs = kwargs or {}
         where = REDUCTION_DIMS.get(str(func))
         held = []
-        if where is not None and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-            x = args[0]
+        x = args[0] if args else None
+        if where is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
             dims = args[where] if len(args) > where else kwargs.get("dim")
             dims = [dims] if isinstance(dims, int) else list(dims or [])
             acc = 8 if x.dtype == torch.float64 else 4
