@@ -135,8 +135,8 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
         "max_batch_size": best,
         "model_num_params": sum(adapters.weights(p) for p in model.parameters()),
     }
-    # the plan's answer for the same worst case (every text max_length tokens), beside full fine-tuning's probe only
-    if budget is not None and adapters.name(cfg) == "none":
+    # the plan's answer for the same worst case (every text max_length tokens)
+    if budget is not None:
         cuda = torch.cuda.is_available()
         names = tuple(tokenizer.model_input_names)
         simulated = plan.simulate(model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names)

@@ -299,3 +299,16 @@ def test_gpt2_conv1d_layers_become_4bit_linears_of_the_same_weights():
             weight = bnbf.dequantize_4bit(layer.weight.data, state)
             assert tuple(weight.shape) == tuple(conv[name].t().shape), name
             assert torch.nn.functional.cosine_similarity(weight.flatten(), conv[name].t().flatten(), 0) > 0.99
+
+
+def test_a_qlora_jobs_largest_batch_search_records_the_plans_answer_beside_it(tmp_path):
+    """find_batch_size=true with adapters: the plan of the same worst case (adapters on a 4-bit base, every
+    text max_length tokens) is recorded beside the probes' answer, and agrees with it within 5%."""
+    proc = run_cli(
+        tmp_path, "find_batch_size=true", "memory_budget_mb=26", "optim=adamw", "model=tiny", "peft=qlora",
+        "backend=accelerator", "data.max_train_samples=128", "data.max_eval_samples=16",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [r for r in store(tmp_path).search_runs(["1"]) if "max_batch_size" in r.data.metrics]
+    measured, planned = run.data.metrics["max_batch_size"], run.data.metrics["predicted_max_batch_size"]
+    assert measured > 0 and abs(planned - measured) <= max(1, 0.05 * measured), (measured, planned)
