@@ -595,6 +595,8 @@ def reduction_buffers(
     the contiguous one and many blocks share an output: Adafactor's column mean of a 30,522 x 384 matrix
     takes 93,782,016 bytes on an H200, twice the matrix. (An input past 2^31 elements, which torch splits,
     is sized as one.)"""
+    if not shape:
+        return []
     dims = {d % len(shape) for d in dims} if dims else set(range(len(shape)))
     sizes = [(st, n, i in dims) for i, (n, st) in enumerate(zip(shape, strides, strict=True)) if n > 1]
     # TensorIterator's dimensions: the reduced ones first, each kind by stride, adjacent ones coalesced
