@@ -120,12 +120,19 @@ def _with_adapters(model, settings: dict, task: str):
     by bitsandbytes' own quantization (on its fake kernels: adapters.quantize), LoRA's adapters by peft, which
     also sets what trains (the adapters, a classifier's head as a trainable copy beside the frozen one) and
     what is frozen. `alpha` is not among the settings (adapters.memory_settings): it scales the adapters'
-    output by a number, whatever its value."""
+    output by a number, whatever its value. A 4-bit layer's bias is in its compute dtype already: bitsandbytes
+    converts it in place at the layer's first forward, so a job's model is in that state from its second
+    forward on, and every simulated pass of this model (the cache keeps it between passes) alike."""
     from pipeline import adapters
 
     settings = OmegaConf.create({"alpha": settings["r"], **settings})
     with _assigned_conversions(), _cloned_copies():
-        return adapters.apply(model, settings, task, model.config.model_type)
+        model = adapters.apply(model, settings, task, model.config.model_type)
+    for layer in model.modules():
+        bias, dtype = getattr(layer, "bias", None), getattr(layer, "compute_dtype", None)
+        if adapters.is_4bit(getattr(layer, "weight", None)) and bias is not None and dtype is not None:
+            bias.data = bias.data.to(dtype)
+    return model
 
 
 @contextlib.contextmanager

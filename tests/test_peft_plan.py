@@ -154,6 +154,7 @@ CASES = [
     ("tiny", "qlora"),
     ("llama-tiny", "lora", "task=causal_lm", "train.precision=bf16", "train.gradient_checkpointing=true"),
     ("gpt2-tiny", "qlora", "train.precision=bf16"),
+    ("tiny", "qlora", "train.precision=bf16", "peft.compute_dtype=bf16"),
 ]
 
 
@@ -192,6 +193,22 @@ def test_a_plan_that_left_out_the_4bit_base_or_the_adapters_would_miss_by_far_mo
     plan._fake_model.cache_clear()
     full = compose_cfg("model=distilbert-base-cased", "model.pretrained=false")
     assert error(plan.simulate(config, spec, full, 4, 32)) > 100
+
+
+def test_a_plan_of_qlora_computing_in_bf16_runs_the_same_pass_at_every_batch_size(monkeypatch):
+    """bitsandbytes converts a 4-bit layer's bias to the layer's compute dtype in place, at its first forward:
+    the fake model starts so converted, else its first simulated pass would run two casts more than the next
+    and a plan at a second batch size would fail ("different operations at batch sizes ...")."""
+    cfg = compose_cfg(
+        "model=tiny", "optim=adamw", "train.precision=bf16", "peft=qlora", "peft.compute_dtype=bf16"
+    )
+    spec, config = optimizers.get("adamw"), models.model_config(cfg.model, 2)
+    monkeypatch.setattr(plan, "_PROFILES", {})
+    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    found = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
+    assert plan.largest_batch(found, 1000.0, cuda=True) > 16  # a second pass, at another batch size
+    biases = [m.bias for m in found["model"].modules() if adapters.is_4bit(getattr(m, "weight", None))]
+    assert biases and all(b.dtype == torch.bfloat16 for b in biases)
 
 
 def test_a_plan_of_lora_and_qlora_is_valid_and_sharded_adapters_are_one_line():
