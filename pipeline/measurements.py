@@ -169,6 +169,7 @@ NOT_IN_PLAN_TRAIN = ("max_steps",)
 PLAN_SOURCES = (
     "__init__.py",
     "plan.py",
+    "cuda_reductions.py",
     "plan_ranks.py",
     "memory.py",
     "state.py",

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from pipeline import MB, models, optimizers, plan
+from pipeline import MB, cuda_reductions, models, optimizers, plan
 from tests.conftest import compose_cfg, run_cli, sweep_runs
 
 PARTS = ["params", "grads", "optimizer", "activations", "other"]
@@ -181,7 +181,7 @@ def test_cuda_reduction_buffers_are_those_an_h200_asked_for():
     H200 asked for, and none where it asked for none."""
     for (shape, dims), asked in H200_REDUCTION_BUFFERS.items():
         strides = torch.empty(shape).stride()
-        assert plan.reduction_buffers(shape, strides, dims, 4) == asked, (shape, dims)
+        assert cuda_reductions.reduction_buffers(shape, strides, dims, 4) == asked, (shape, dims)
 
 
 def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch):
@@ -195,7 +195,7 @@ def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch
     assert found["peak"] == found["step_peak"]  # the optimizer step's peak is the job's
     assert found["peak"] == pytest.approx(H200_ADAFACTOR_PEAK_MB, rel=0.05)
     monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    monkeypatch.setattr(plan, "reduction_buffers", lambda *args, **kwargs: [])
+    monkeypatch.setattr(cuda_reductions, "reduction_buffers", lambda *args, **kwargs: [])
     without = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
     assert without["peak"] < 0.9 * H200_ADAFACTOR_PEAK_MB
 
