@@ -12,7 +12,9 @@ from collections.abc import Callable
 from copy import deepcopy
 
 import torch
+from torch.distributed._tools import mod_tracker as _mod_tracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -319,6 +321,44 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
+class _InputHooks(ModTracker):
+    """torch's ModTracker, keeping the handles of the backward hooks it registers on each module's inputs, which
+    `remove_input_hooks` takes off.
+
+    Before each module's forward, ModTracker registers a multi-grad hook (mode "all") on the module's inputs
+    and drops its handle. The hook's closure holds the inputs' autograd nodes, and those nodes hold the hook.
+    That cycle runs through C++ objects, which Python's garbage collector cannot see. A backward pass that
+    runs to its end frees each node's saved tensors all the same. A step cut short by an error (an
+    out-of-memory error in its forward or its backward pass) leaves the nodes that had not run alive, with
+    the activations they saved. Taking the hooks off breaks the cycles: those nodes and activations go with
+    the step's last reference (find_batch_size's next probe would otherwise start with them held).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._input_hooks = []
+
+    def _fw_pre_hook(self, mod, input):
+        # ModTracker's own, with the multi-grad hook it registers (by its module's name for the function) kept
+        register = _mod_tracker.register_multi_grad_hook
+
+        def kept(*args, **kwargs):
+            handle = register(*args, **kwargs)
+            self._input_hooks.append(handle)
+            return handle
+
+        _mod_tracker.register_multi_grad_hook = kept
+        try:
+            return super()._fw_pre_hook(mod, input)
+        finally:
+            _mod_tracker.register_multi_grad_hook = register
+
+    def remove_input_hooks(self) -> None:
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks.clear()
+
+
 class StepBreakdown(MemTracker):
     """PyTorch's MemTracker, with the optimizer step's temporaries kept apart from its state, a language model's
     logits apart from the other activations and temporaries, and what the allocator holds that no tensor
@@ -333,12 +373,16 @@ class StepBreakdown(MemTracker):
 
     With `vocab` (a language model's, `logits_width`), every storage the forward or backward pass makes as
     logits (`is_logits`) is filed as LOGITS (`peak_logits_mb`) rather than as an activation or a temporary.
+
+    Leaving it, normally or by an error, takes off the backward hooks its module tracker put on the step's
+    autograd graph (`_InputHooks`): a step that ran out of memory leaves none of its activations behind.
     """
 
     def __init__(
         self, device: torch.device, allocated: Callable[[], int] | None = None, vocab: int | None = None
     ):
         super().__init__()
+        self._mod_tracker = _InputHooks()
         self.device = torch.device(device)
         self._allocated = allocated
         self.untracked = 0
@@ -365,6 +409,12 @@ class StepBreakdown(MemTracker):
             tracked = self._on_device(self.get_tracker_snapshot("current")).get("Total", 0)
             self.untracked = max(0, self._allocated() - tracked)
         return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._mod_tracker.remove_input_hooks()
 
     def _track(self, reftype, t: torch.Tensor) -> None:
         if self._in_opt:
@@ -605,11 +655,15 @@ class TrainingMemory:
         self._any_forward = register_module_forward_pre_hook(self._before_any_forward)
         self.breakdown.__enter__()
 
-    def _stop_breakdown(self, stepped: bool) -> None:
-        self.breakdown.__exit__(None, None, None)
-        self._any_forward.remove()
-        self._quiet.__exit__(None, None, None)
-        if self.step == self._breakdown_from:  # the whole step ran under it
+    def _stop_breakdown(self, stepped: bool, whole: bool = True) -> None:
+        """End the breakdown; with `whole` (its step ended rather than an error cutting it short), keep its
+        figures if its step ran whole under it."""
+        try:
+            self.breakdown.__exit__(None, None, None)
+        finally:
+            self._any_forward.remove()
+            self._quiet.__exit__(None, None, None)
+        if whole and self.step == self._breakdown_from:  # the whole step ran under it
             self.breakdown_metrics = self.breakdown.metrics()
             skipped = "" if stepped else " (its optimizer step was skipped by the grad scaler)"
             self.breakdown_label = f"step {self.step}{skipped}"
@@ -619,8 +673,8 @@ class TrainingMemory:
         if self._step_open and exc[0] is None:  # the last step's optimizer step was skipped
             self._end_step(stepped=False)
         self._stop_tracking()  # modes leave in the reverse order they came: the step's tracker first
-        if self.breakdown is not None:
-            self._stop_breakdown(stepped=False)
+        if self.breakdown is not None:  # an error cut its step short, or it began after the last step ended
+            self._stop_breakdown(stepped=False, whole=exc[0] is None)
         for handle in self._handles:
             handle.remove()
         if not self.on_cpu:

@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
@@ -311,6 +314,102 @@ def test_training_memory_hooks_every_module_only_during_its_breakdown(skipped):
     assert memory.metrics()["peak_breakdown_mb"] > 0
 
 
+class SavedInStep:
+    """Weak references to what a model's `step`th training step saves for backward (its weights and buffers left
+    out): `with SavedInStep(model, 2) as saved:` around the training, then `saved.alive_mb()`."""
+
+    def __init__(self, model: torch.nn.Module, step: int):
+        self.kept = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.step, self.steps, self.refs = step, 0, []
+        self._count = model.register_forward_pre_hook(lambda module, args: self._started(module))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _started(self, module) -> None:
+        self.steps += module.training
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if self.steps == self.step and storage.data_ptr() not in self.kept:
+            self.refs.append((weakref.ref(storage), storage.nbytes()))
+        return t.detach()  # (not t: an op's output saved by its own node would be a cycle of this test's)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._count.remove()
+
+    def alive_mb(self) -> float:
+        return sum(nbytes for ref, nbytes in self.refs if ref() is not None) / MB
+
+
+class FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory when `fail` is true."""
+
+    @staticmethod
+    def forward(ctx, x, fail: bool):
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise torch.OutOfMemoryError("out of memory (a test's backward)")
+        return grad, None
+
+
+class OutOfMemoryAt(torch.nn.Module):
+    """The identity, which runs out of memory in the forward or the backward pass (`where`) of its `step`th
+    call in training mode."""
+
+    def __init__(self, step: int, where: str):
+        super().__init__()
+        self.step, self.where, self.calls = step, where, 0
+
+    def forward(self, x):
+        self.calls += self.training
+        if self.calls == self.step and self.where == "forward":
+            raise torch.OutOfMemoryError("out of memory (a test's forward)")
+        return FailsInBackward.apply(x, self.calls == self.step and self.where == "backward")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_step_out_of_memory_under_the_breakdown_leaves_no_activation_alive(where):
+    """find_batch_size's probe that runs out of memory in its second step, the breakdown's, in the forward or
+    the backward pass: once the probe has cleaned up (gradients set to None, one gc pass), none of that step's
+    saved activations is alive, so the next probe has the room this one had (on an H200 every probe after
+    the first that failed did not fit, ~950 MB allocated where a fitting one had peaked at 666 MB)."""
+    from torch.nn.modules import module as nn_module
+
+    from pipeline.memory import TrainingMemory
+
+    torch.manual_seed(0)
+    mlp = [m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*mlp[:4], OutOfMemoryAt(2, where), *mlp[4:]).train()
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def train_step():
+        model(torch.randn(512, 256)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    try:
+        with SavedInStep(model, 2) as saved, TrainingMemory("cpu", model, breakdown_step=2) as memory:
+            for _ in range(2):
+                train_step()
+    except torch.OutOfMemoryError:
+        pass
+    finally:  # the probe's clean-up (pipeline.batch_size.search)
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+    assert not nn_module._global_forward_pre_hooks  # the breakdown ended
+    assert memory.breakdown_label is None and not memory.breakdown_metrics  # a step cut short has no figures
+    assert saved.refs
+    assert saved.alive_mb() == 0, f"{saved.alive_mb():.2f} of {sum(n for _, n in saved.refs) / MB:.2f} MB"
+
+
 def test_largest_fitting_doubles_then_bisects():
     from pipeline.batch_size import largest_fitting
 
@@ -341,6 +440,50 @@ def test_find_batch_size_gives_adafactor_a_larger_batch(fit_sweep):
         assert m["max_batch_peak_memory_mb"] <= 26
         assert m["predicted_max_batch_size"] > 0
     assert "largest batch that fits" in proc.stdout
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_probes_out_of_memory_in_their_second_step_leave_nothing_to_the_next(tmp_path):
+    """find_batch_size's search (tiny, the accelerator backend, 26 MB): each probe that runs out of memory in its
+    second step leaves none of what that step saved for backward alive when the next probe starts. On CPU the
+    answer would be the same either way: a probe counts only the storages made under its own tracker. On CUDA
+    the allocator counts everything still held."""
+    from pipeline import backends, batch_size, data, job
+
+    cfg = compose_cfg(
+        "model=tiny", "find_batch_size=true", "memory_budget_mb=26", "backend=accelerator",
+        "data.max_train_samples=128", "data.max_eval_samples=16", f"outputs_dir={tmp_path}",
+    )  # fmt: skip
+    tokenizer, splits, model = job.load(cfg)
+    train = backends.get(cfg.backend.name).train
+    probes = []  # (batch size, the step it ran out of memory in or None, its second step's SavedInStep)
+
+    def left_alive(batch: int, failed_in: int | None, saved: SavedInStep) -> str:
+        alive = saved.alive_mb()
+        return (
+            f"batch {batch} (out of memory in step {failed_in}): {alive:.2f} MB alive after it"
+            if alive
+            else ""
+        )
+
+    def probe(probe_cfg, *args, **kwargs):
+        if probes:  # the one before has cleaned up
+            assert not left_alive(*probes[-1])
+        with SavedInStep(model, 2) as saved:
+            probes.append((probe_cfg.batch_size, None, saved))
+            try:
+                return train(probe_cfg, *args, **kwargs)
+            except torch.OutOfMemoryError:
+                probes[-1] = (probe_cfg.batch_size, saved.steps, saved)
+                raise
+
+    best, _ = batch_size.search(
+        cfg, model, splits, optimizers.choose(cfg).spec,
+        lambda p: data.PaddingCollator(tokenizer, p.train.padding, p.train.max_length), tmp_path, probe,
+    )  # fmt: skip
+    assert not left_alive(*probes[-1])
+    assert best > 0
+    assert [n for n, step, _ in probes if step == 2], probes  # some did run out of memory in step 2
 
 
 # ---- optimizers that update inside the backward pass ------------------------------------------------------
