@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib.metadata
 import itertools
 import platform
@@ -88,7 +89,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
     reason)."""
     from hydra import compose, initialize_config_dir
 
-    from pipeline import adapters, optimizers, plan, plan_ranks
+    from pipeline import adapters, cuda_reductions, optimizers, plan, plan_ranks
     from pipeline import models as catalog
 
     extra = plan.CUBLAS_WORKSPACES_MB
@@ -109,17 +110,19 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
             names = tuple(catalog.load_tokenizer(cfg.model, local_only=True).model_input_names)
             layout = None
             key = [model, task, adapters.method(cfg), optim, precision, ckpt]
+            one = functools.partial(plan.simulate, config, spec, cfg, 1, cuda=True, names=names, store=store)
             for seq in seqs:
-                try:
-                    prediction = plan.simulate(config, spec, cfg, 1, seq, cuda=True, names=names, store=store)
+                try:  # each GPU's plan: the pass once, the optimizer step once per grid (its reductions' buffers)
+                    planned = {g: one(seq, grid=cuda_reductions.NAMED_GRIDS[g]) for g in gpus}
                 except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
                     failed[f"{model} ({task})"] = str(err)
                     yield [*key, str(seq), *["n/a"] * len(gpus)]
                     continue
                 if layout is None:
                     nccl = plan_ranks.NCCL_BUFFERS_MB
-                    layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=True, nccl_mb=nccl)
-                cells = [cell(prediction, layout, optim, plan.usable_mb(g), extra, peft) for g in gpus]
+                    model_built = planned[gpus[0]]["model"]
+                    layout = plan_ranks.Layout(model_built, spec, cfg, foreach=True, nccl_mb=nccl)
+                cells = [cell(planned[g], layout, optim, plan.usable_mb(g), extra, peft) for g in gpus]
                 yield [*key, str(seq), *cells]
 
 

@@ -92,8 +92,10 @@ def search(cfg, model, splits, spec, make_collate, job_dir, train) -> tuple[int,
 
     def held_back(batch_size: int, fitted: bool) -> None:
         """CUDA: say so when a probe that did not fit leaves more allocated than a fitting one did, which the
-        later probes then lack (seen once on an H200, unexplained: every probe after the first that ran out
-        of memory failed)."""
+        later probes then lack. On an H200 every probe after the first that ran out of memory failed: the
+        step-2 breakdown's backward hooks kept the failed step's activations alive. The breakdown now takes
+        its hooks off when it ends (pipeline.memory._InputHooks). This check stays as the GPU run's evidence
+        that nothing else holds memory past a failed probe."""
         import torch
 
         if not torch.cuda.is_available():
@@ -114,7 +116,7 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
     (`pipeline.optimizers.choose`)."""
     import torch
 
-    from pipeline import adapters, backends, data, measurements, optimizers, plan
+    from pipeline import adapters, backends, cuda_reductions, data, measurements, optimizers, plan
 
     budget = cfg.memory_budget_mb
     if budget is None and not torch.cuda.is_available():
@@ -139,7 +141,10 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
     if budget is not None:
         cuda = torch.cuda.is_available()
         names = tuple(tokenizer.model_input_names)
-        simulated = plan.simulate(model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names)
+        grid = cuda_reductions.device_grid() if cuda else None  # the GPU this job runs on
+        simulated = plan.simulate(
+            model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names, grid=grid
+        )
         limit = plan.largest_batch(simulated, budget, cuda)
         metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
     if best:

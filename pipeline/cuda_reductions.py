@@ -1,22 +1,87 @@
 """What torch's CUDA reduction kernels take from the caching allocator beside their output, for a plan of a
 CUDA target (pipeline.plan): the buffers of a reduction split across thread blocks, sized as ATen's Reduce.cuh
-sizes them (`reduction_buffers`), and a dispatch mode that holds them while each reduction of a simulated step
-runs (`CudaReductionBuffers`)."""
+sizes them (`reduction_buffers`) for the grid of the GPU planned for (`grid_for`), and a dispatch mode that holds
+them while each reduction of a simulated step runs (`CudaReductionBuffers`)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import subprocess
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# How many blocks share an output depends on the GPU's multiprocessors: planned for the largest grid of the named
-# GPUs (H100 and H200: 132 multiprocessors x 2048 threads), an upper bound on the others
-REDUCTION_GRID = (132, 2048)
+# How many blocks share an output depends on the GPU's grid, which ATen's setReduceConfig reads from the device:
+# (multiprocessors, most resident threads per multiprocessor) = cudaDeviceProp's multiProcessorCount and
+# maxThreadsPerMultiProcessor. The named GPUs' (pipeline.plan.DEVICE_MEMORY_GB's names, and the B200's):
+# - threads per multiprocessor follow the compute capability (the CUDA C++ Programming Guide's table of
+#   technical specifications per compute capability, "maximum number of resident threads per SM", as the CUDA
+#   occupancy calculator takes it): 2048 on sm_70, sm_80, sm_90 and sm_100; 1536 on sm_86 and sm_89; 1024 on
+#   sm_75.
+# - multiprocessors: the vendor's architecture whitepaper, or its data sheet's CUDA cores divided by the cores
+#   per multiprocessor of the architecture (64 on sm_70 and sm_75, 128 on sm_86 and sm_89).
+NAMED_GRIDS = {
+    "t4": (40, 1024),  # sm_75; Turing whitepaper: Tesla T4, 40 SMs (2,560 CUDA cores / 64)
+    "v100-32gb": (80, 2048),  # sm_70; Volta whitepaper: Tesla V100, 80 SMs (5,120 CUDA cores / 64)
+    "a10": (72, 1536),  # sm_86; A10 data sheet: 9,216 CUDA cores / 128
+    "l4": (58, 1536),  # sm_89; L4 data sheet: 7,424 CUDA cores / 128
+    "rtx-3090": (82, 1536),  # sm_86; Ampere GA102 whitepaper: RTX 3090, 82 SMs (10,496 CUDA cores / 128)
+    "rtx-4090": (128, 1536),  # sm_89; Ada whitepaper: RTX 4090, 128 SMs (16,384 CUDA cores / 128)
+    "l40s": (142, 1536),  # sm_89; L40S data sheet: 18,176 CUDA cores / 128
+    "a100-40gb": (108, 2048),  # sm_80; A100 whitepaper: 108 SMs (SXM4 and PCIe alike)
+    "a100-80gb": (108, 2048),  # sm_80; the same GA100 part
+    # sm_90; H100 whitepaper: 132 SMs on the SXM5 board, 114 on the PCIe card (whose grid this bounds from above)
+    "h100-80gb": (132, 2048),
+    "h200": (132, 2048),  # sm_90; the H100 SXM5's GH100 (132 SMs) with 141 GB of HBM3e
+    # sm_100; 148 SMs, two dies of 74 enabled each, as published analyses of the B200 give it (NVIDIA's data sheet
+    # states no SM count)
+    "b200": (148, 2048),
+}
+# A CUDA target with no GPU named or present: the most multiprocessors and threads of the named GPUs (the B200's),
+# an upper bound on each of them (more of either never means fewer blocks per output, nor smaller buffers)
+UPPER_GRID = (max(s for s, _ in NAMED_GRIDS.values()), max(t for _, t in NAMED_GRIDS.values()))
+
+
+def grid_for(device_memory: str | None) -> tuple[int, int]:
+    """The grid (multiprocessors, threads per multiprocessor) of the GPU a plan is for: the named GPU's
+    (`device_memory`, NAMED_GRIDS); else this machine's, as ATen reads it (`device_grid`); else, with no GPU
+    here, UPPER_GRID."""
+    if device_memory is not None:
+        return NAMED_GRIDS[device_memory]
+    return device_grid() if torch.cuda.is_available() else UPPER_GRID
+
+
+def device_grid() -> tuple[int, int]:
+    """The grid of this process's current CUDA device, as ATen's setReduceConfig reads it. Where this process
+    has not initialised CUDA (a sweep's runner plans in its own process and leaves CUDA to the jobs' processes:
+    pipeline.starter), a child process reads the first visible device's, once, and this one stays without."""
+    if torch.cuda.is_initialized():
+        device = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return device.multi_processor_count, device.max_threads_per_multi_processor
+    return _child_grid()
+
+
+@functools.cache
+def _child_grid() -> tuple[int, int]:
+    """The first visible CUDA device's grid, read by a child process; UPPER_GRID where it cannot read it."""
+    code = (
+        "import torch; d = torch.cuda.get_device_properties(0); "
+        "print(d.multi_processor_count, d.max_threads_per_multi_processor)"
+    )
+    try:
+        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return UPPER_GRID
+    if found.returncode != 0:
+        return UPPER_GRID
+    sms, threads = found.stdout.split()[-2:]
+    return int(sms), int(threads)
 
 
 def reduction_buffers(
-    shape, strides, dims, element_size: int, acc_size: int = 4, grid: tuple[int, int] = REDUCTION_GRID
+    shape, strides, dims, element_size: int, grid: tuple[int, int], acc_size: int = 4
 ) -> list[int]:
     """The bytes torch's CUDA reduction kernel takes from the caching allocator beside its output, as ATen's
     Reduce.cuh sizes them (setReduceConfig, global_memory_size, semaphore_size), for a reduction over `dims`
@@ -46,7 +111,7 @@ def reduction_buffers(
             while n % vec:
                 vec //= 2
         dim0 //= vec
-    elif on_fastest and reduced[0][0] == 1 and dim0 > 128 and len(reduced) == 1:
+    elif on_fastest and reduced[0][0] == 1 and dim0 >= 128 and len(reduced) == 1:
         dim0 //= 4  # "vectorize along input"
 
     def pow2(n: int, cap: int) -> int:
@@ -97,9 +162,13 @@ REDUCTION_DIMS = {
 
 
 class CudaReductionBuffers(TorchDispatchMode):
-    """For a CUDA target: each reduction's buffers (`reduction_buffers`) made before it runs and freed after, as
-    torch's CUDA kernel holds them, so a tracker below this mode counts them beside the reduction's input and
-    output."""
+    """For a CUDA target: each reduction's buffers (`reduction_buffers`, on a GPU of `grid`: multiprocessors,
+    threads per multiprocessor) made before it runs and freed after, as torch's CUDA kernel holds them, so a
+    tracker below this mode counts them beside the reduction's input and output."""
+
+    def __init__(self, grid: tuple[int, int]):
+        super().__init__()
+        self.grid = tuple(grid)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -110,7 +179,7 @@ class CudaReductionBuffers(TorchDispatchMode):
             dims = args[where] if len(args) > where else kwargs.get("dim")
             dims = [dims] if isinstance(dims, int) else list(dims or [])
             acc = 8 if x.dtype == torch.float64 else 4
-            for nbytes in reduction_buffers(x.shape, x.stride(), dims, x.element_size(), acc):
+            for nbytes in reduction_buffers(x.shape, x.stride(), dims, x.element_size(), self.grid, acc):
                 held.append(torch.empty(-(-nbytes // 512) * 512, dtype=torch.uint8, device=x.device))
         out = func(*args, **kwargs)
         del held

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import LABELS_IGNORED, StateSize, adapters, cache, distributed, optimizers
+from pipeline import LABELS_IGNORED, StateSize, adapters, cache, cuda_reductions, distributed, optimizers
 from pipeline.memory import peak_rss_mb
 from pipeline.state import optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer, peak_flops
@@ -198,14 +198,16 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
         point["peft"] = adapters.memory_settings(cfg)
         versions |= {name: importlib.metadata.version(name) for name in PEFT_LIBRARIES}
         sources += PEFT_SOURCES
-    inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, list(names), world]
+    # the grid of the GPU this job runs on sizes its reductions' buffers: steps of two GPUs are kept apart
+    grid = cuda_reductions.device_grid() if cuda else None
+    inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, grid, list(names), world]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
     store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=sources)
 
     def figures() -> dict:
         from pipeline import plan, plan_ranks
 
-        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store)
+        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store, grid=grid)
         layout = plan_ranks.Layout(found["model"], spec, cfg, foreach=cuda)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)

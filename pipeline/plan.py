@@ -37,7 +37,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import MB, learning_rate
-from pipeline.cuda_reductions import CudaReductionBuffers
+from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
 # CUDA targets: what the allocator holds that no tensor does, stated (not measured here): one cuBLAS workspace
 # per handle (forward, autograd's backward thread), 32 MiB + 1 MiB (cuBLASLt) on Hopper, as torch sizes them
@@ -57,6 +57,7 @@ DEVICE_MEMORY_GB = {
     "a100-80gb": 80,
     "h100-80gb": 80,
     "h200": 141,
+    "b200": 180,  # DGX B200 data sheet: 1,440 GB over 8 GPUs
 }
 # the parts of a peak, in the order of the plan's traces (pipeline.memory.KINDS): `logits` is a language model's
 # (a classifier's is always 0 and never reported)
@@ -560,10 +561,19 @@ def _trace(
 
 
 def optimizer_step(
-    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str = "classification", peft=None
+    model_config,
+    precision,
+    checkpointing,
+    spec,
+    cfg,
+    cuda: bool,
+    task: str = "classification",
+    peft=None,
+    grid: tuple[int, int] = UPPER_GRID,
 ) -> tuple[dict | None, str]:
     """Parts (MB) at the peak of two optimizer steps (the first creates the state) with every gradient in
-    place, and how they were found; None when the step cannot run on fake tensors. A deep model's is
+    place, and how they were found; None when the step cannot run on fake tensors. For a CUDA target, its
+    reductions' buffers are those of a GPU of `grid` (pipeline.cuda_reductions). A deep model's is
     extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
     step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
     amount too."""
@@ -571,14 +581,13 @@ def optimizer_step(
     # mark it never to be compiled again in this process, where find_batch_size=true then trains
     if spec.compiles_step:
         return None, "forward/backward simulated; optimizer step analytic (compiled step)"
+    settings = (precision, checkpointing, spec, cfg, cuda, task, peft, grid)
     try:
         shallow = _shallow_pair(model_config, task)
         if shallow is None:
-            at_peak = _optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task, peft)
+            at_peak = _optimizer_step(model_config, *settings)
         else:
-            a, b = (
-                _optimizer_step(c, precision, checkpointing, spec, cfg, cuda, task, peft) for c in shallow
-            )
+            a, b = (_optimizer_step(c, *settings) for c in shallow)
             at_peak = _to_depth(a, b, model_config.num_hidden_layers)
         return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
     except Exception as err:  # a kernel that needs real data (bitsandbytes)
@@ -586,7 +595,7 @@ def optimizer_step(
 
 
 def _optimizer_step(
-    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str, peft: str | None
+    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str, peft: str | None, grid
 ) -> np.ndarray:
     from pipeline.memory import KindPeak
 
@@ -603,7 +612,7 @@ def _optimizer_step(
                 if "foreach" in group and group["foreach"] is None:
                     group["foreach"] = True
         tracker = KindPeak(model)
-        buffers = CudaReductionBuffers() if cuda else contextlib.nullcontext()
+        buffers = CudaReductionBuffers(grid) if cuda else contextlib.nullcontext()
         with mode, tracker, buffers:
             for _ in range(2):
                 if cfg.train.max_grad_norm:
@@ -637,13 +646,24 @@ def analytic_step(model, state_bytes: int, spec) -> dict[str, float]:
 
 
 def simulate(
-    model_config, spec, cfg, batch: int, seq: int, cuda: bool = False, names=INPUT_NAMES, store=None
+    model_config,
+    spec,
+    cfg,
+    batch: int,
+    seq: int,
+    cuda: bool = False,
+    names=INPUT_NAMES,
+    store=None,
+    grid: tuple[int, int] | None = None,
 ) -> dict:
     """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens of the job's task
     (`cfg.task.name`), the optimizer step's own peak, the state, how the step was found, the fake model, the
     pass's Profile and the vocabulary of its LM head (`vocab`, None for a classifier, whose parts have no
-    `logits`). `cuda`: for a CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces);
-    `store` (a pipeline.cache.Store): where the pass and the optimizer step are kept for other processes."""
+    `logits`). `cuda`: for a CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces, its
+    reductions' buffers); `grid`: that GPU's multiprocessors and threads per multiprocessor, which size the
+    reductions' buffers (pipeline.cuda_reductions.grid_for; None: UPPER_GRID, an upper bound on the named
+    GPUs'); `store` (a pipeline.cache.Store): where the pass and the optimizer step are kept for other
+    processes."""
     from pipeline import optimizers
     from pipeline.memory import logits_width
 
@@ -661,11 +681,13 @@ def simulate(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
         + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
     )
-    key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda)
+    grid = tuple(grid or UPPER_GRID) if cuda else None  # the reductions' buffers: a GPU's step only
+    key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda, grid)
     if key not in _OPTIMIZER_STEP:
 
         def step() -> list:
-            return list(optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task, peft))
+            found = optimizer_step(model_config, precision, checkpointing, spec, cfg, cuda, task, peft, grid)
+            return list(found)
 
         _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
     step, method = _OPTIMIZER_STEP[key]

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from pipeline import plan, plan_ranks
+from pipeline import cuda_reductions, plan, plan_ranks
 
 
 def budget_mb(cfg) -> float | None:
@@ -96,9 +96,11 @@ def plan_result(cfg) -> dict:
     if config.pad_token_id is None:  # decoders classify from the last non-padding token (and pad a batch)
         config.pad_token_id = 0
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
+    # the reductions' buffers: sized for the named GPU's grid, else this machine's GPU's
+    grid = cuda_reductions.grid_for(cfg.device_memory) if cuda else None
     seq = cfg.train.max_length
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
-    prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names)
+    prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
     model = prediction["model"]
     # as a job counts them (measurements.model_size): a 4-bit weight (peft=qlora) the weights it packs
     num_params = sum(adapters.weights(p) for p in model.parameters())

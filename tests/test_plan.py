@@ -179,9 +179,10 @@ H200_ADAFACTOR_PEAK_MB = 378.8  # the same model's peak_memory_mb, batch 16, 20 
 def test_cuda_reduction_buffers_are_those_an_h200_asked_for():
     """The plan sizes the buffers of torch's CUDA reduction kernel as ATen's Reduce.cuh does: every size the
     H200 asked for, and none where it asked for none."""
+    h200 = cuda_reductions.NAMED_GRIDS["h200"]
     for (shape, dims), asked in H200_REDUCTION_BUFFERS.items():
         strides = torch.empty(shape).stride()
-        assert cuda_reductions.reduction_buffers(shape, strides, dims, 4) == asked, (shape, dims)
+        assert cuda_reductions.reduction_buffers(shape, strides, dims, 4, h200) == asked, (shape, dims)
 
 
 def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch):
@@ -190,13 +191,14 @@ def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch
     H200's measured peak; without it 13% short."""
     cfg = compose_cfg("model=minilm", "model.pretrained=false", "optim=adafactor")
     spec, config = optimizers.get("adafactor"), models.model_config(cfg.model, 2)
+    h200 = cuda_reductions.NAMED_GRIDS["h200"]
     monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    found = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
+    found = plan.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
     assert found["peak"] == found["step_peak"]  # the optimizer step's peak is the job's
     assert found["peak"] == pytest.approx(H200_ADAFACTOR_PEAK_MB, rel=0.05)
     monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
     monkeypatch.setattr(cuda_reductions, "reduction_buffers", lambda *args, **kwargs: [])
-    without = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
+    without = plan.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
     assert without["peak"] < 0.9 * H200_ADAFACTOR_PEAK_MB
 
 
@@ -275,9 +277,10 @@ def test_named_gpus_memory_is_the_data_sheets_in_its_units():
         "a100-80gb": 80,
         "h100-80gb": 80,
         "h200": 141,
+        "b200": 180,
     }
     usable = {"t4": 14_746.79, "a10": 22_376.18, "a100-40gb": 37_634.97, "h100-80gb": 75_781.95}
-    usable["h200"] = 133_956.08
+    usable |= {"h200": 133_956.08, "b200": 171_149.38}
     for name, mb in usable.items():
         assert plan.usable_mb(name) == pytest.approx(mb, abs=0.01), name
         assert (plan.usable_mb(name) + plan.CUDA_CONTEXT_MB) * MB == plan.DEVICE_MEMORY_GB[name] * 10**9
