@@ -5,7 +5,7 @@ import torch
 
 from pipeline import MB
 from pipeline.memory import PeakMemory
-from tests.conftest import TINY, run_cli, sweep_runs
+from tests.conftest import TINY, compose_cfg, run_cli, sweep_runs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,9 +47,27 @@ def test_fp32_bf16_and_fp16_on_both_backends_record_allocator_peaks(tmp_path):
         )
 
 
+def column_mean_buffers_mb(shape: tuple[int, int]) -> float:
+    """What torch's CUDA kernel takes from the allocator, beside its output, for the column mean of an fp32 matrix
+    of `shape` on this GPU (Adafactor's `update.mean(dim=-2)`): `reduction_buffers`, each rounded up to the
+    allocator's 512 bytes."""
+    from pipeline.cuda_reductions import reduction_buffers
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    grid = (props.multi_processor_count, props.max_threads_per_multi_processor)
+    buffers = reduction_buffers(shape, (shape[1], 1), [-2], 4, grid=grid)
+    return sum(-(-n // 512) * 512 for n in buffers) / MB
+
+
 def test_breakdown_and_prediction_on_cuda(tmp_path):
     """distilbert-base-cased (random weights): the parts of step 2's peak against the allocator's peak; the
-    paged optimizer's state outside the allocator."""
+    paged optimizer's state outside the allocator.
+
+    The breakdown follows tensors. AdamW's step-2 peak is the allocator's, within 2%. Adafactor's step takes a
+    buffer that no tensor owns: torch's CUDA kernel for the column mean of each matrix's squared gradient
+    (`update.mean(dim=-2)`, pipeline.cuda_reductions) asks the allocator for its blocks' partial results. The
+    allocator's peak may hold one such buffer (the largest: the word embeddings') that the breakdown never
+    sees, so Adafactor's breakdown lies below the peak by at most that buffer, within the same 2%."""
     args = [
         "-m",
         "optim=adamw,adafactor,paged_adamw_8bit",
@@ -61,12 +79,16 @@ def test_breakdown_and_prediction_on_cuda(tmp_path):
     proc = run_cli(tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {r.data.params["optim"]: r for r in sweep_runs(tmp_path)[1]}
+    architecture = compose_cfg("model=distilbert-base-cased").model.architecture
+    embeddings = (architecture.vocab_size, architecture.dim)  # the model's largest matrix
     parts = ["peak_params_mb", "peak_grads_mb", "peak_optimizer_mb", "peak_activations_mb", "peak_other_mb"]
     for name in ("adamw", "adafactor"):
         m = runs[name].data.metrics
         assert runs[name].data.tags["peak_breakdown"] == "step 2"
         assert sum(m[k] for k in parts) == pytest.approx(m["peak_breakdown_mb"], rel=1e-6)
-        assert m["peak_breakdown_mb"] == pytest.approx(m["peak_memory_mb"], rel=0.02)
+        peak, gap = m["peak_memory_mb"], m["peak_memory_mb"] - m["peak_breakdown_mb"]
+        unseen = 0.0 if name == "adamw" else column_mean_buffers_mb(embeddings)
+        assert -0.02 * peak <= gap <= unseen + 0.02 * peak, (gap, unseen)
         assert m["peak_untracked_mb"] > 0  # cuBLAS workspaces at least
         assert m["peak_optimizer_mb"] >= m["optimizer_state_mb"] - 1 / 1024
         print(

@@ -350,6 +350,9 @@ def test_adalomo_state_is_its_factored_second_moment():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_adalomo_on_cuda_as_it_is():
     """AdaLomo unchanged on CUDA (its state where .cuda() puts it): measured == estimated."""
+    pytest.importorskip(
+        "lomo_optim", reason="AdaLomo needs lomo-optim (the optim extra: pip install -e '.[optim]')"
+    )
     cfg = compose_cfg("model=tiny", "model.pretrained=false", "optim=adalomo")
     model = models.load_model(cfg.model, num_labels=2).cuda()
     spec = optimizers.get("adalomo")
