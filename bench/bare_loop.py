@@ -130,6 +130,10 @@ class HostSyncs(TorchDispatchMode):
     what the loop reads). Left out: the optimizer's step (the same optimizer in every loop compared) and the
     data loader (it collates host tensors before they reach the device). Copies to the host (`.cpu()`,
     `.tolist()`) wait too, but on CPU they copy nothing and dispatch nothing: the count cannot see them.
+
+    `blocking_copies`: the batches accelerate's prepared data loaders move to the device with a blocking copy
+    (`send_to_device(..., non_blocking=False)`, its default), which on a GPU waits for the copy to end; counted
+    from the call on any device, as the loaders of both backends make it.
     """
 
     DATA_LOADER = str(Path(torch.utils.data.__file__).parent)
@@ -138,6 +142,7 @@ class HostSyncs(TorchDispatchMode):
         super().__init__()
         self.model_reads: list[int] = []  # per step
         self.loop_reads: list[int] = []
+        self.blocking_copies: list[int] = []
         self._in_forward = self._in_optimizer = 0
         self._model = model
 
@@ -145,6 +150,7 @@ class HostSyncs(TorchDispatchMode):
         if module.training:
             self.model_reads.append(0)
             self.loop_reads.append(0)
+            self.blocking_copies.append(0)
         self._in_forward += 1
 
     def _forward_ended(self, module, args, output) -> None:
@@ -174,7 +180,19 @@ class HostSyncs(TorchDispatchMode):
             (self.model_reads if self._in_forward else self.loop_reads)[-1] += 1
         return func(*args, **(kwargs or {}))
 
+    def _send_to_device(self, send):
+        def counted(batch, device, non_blocking=False, **kwargs):
+            if self.blocking_copies and not non_blocking:
+                self.blocking_copies[-1] += 1
+            return send(batch, device, non_blocking=non_blocking, **kwargs)
+
+        return counted
+
     def __enter__(self):
+        import accelerate.data_loader
+
+        self._send = accelerate.data_loader.send_to_device
+        accelerate.data_loader.send_to_device = self._send_to_device(self._send)
         self._handles = [
             self._model.register_forward_pre_hook(self._forward_started),
             self._model.register_forward_hook(self._forward_ended),
@@ -184,6 +202,9 @@ class HostSyncs(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
+        import accelerate.data_loader
+
+        accelerate.data_loader.send_to_device = self._send
         for handle in self._handles:
             handle.remove()
         return super().__exit__(*exc)
@@ -200,6 +221,7 @@ class HostSyncs(TorchDispatchMode):
             "total": mean(m + lo for m, lo in zip(model, loop, strict=True)),
             "model": mean(model),
             "loop": mean(loop),
+            "blocking_copies": mean(self.blocking_copies[1:-1]),
         }
 
 

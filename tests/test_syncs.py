@@ -36,6 +36,13 @@ def test_the_pipelines_step_waits_for_the_device_no_more_than_a_bare_loops(syncs
     assert syncs[backend]["loop"] == 0, syncs
 
 
+@pytest.mark.parametrize("backend", ["trainer", "accelerator"])
+def test_no_step_waits_for_its_batch_copy(syncs, backend):
+    """Each step's batch goes to the device from pinned memory without blocking (accelerate's prepared loader,
+    non_blocking): no step's copy waits, where accelerate's default copy would, once a step."""
+    assert syncs[backend]["blocking_copies"] == 0, syncs
+
+
 def test_reads_of_the_data_loader_and_the_optimizer_are_left_out():
     """A collate function reading host tensors and an optimizer reading its step count: no wait for the loop."""
     model = torch.nn.Linear(4, 2)
@@ -55,7 +62,7 @@ def test_reads_of_the_data_loader_and_the_optimizer_are_left_out():
             optimizer.zero_grad()
             if loss > 0:  # a read of the loop's own
                 pass
-    assert syncs.per_step() == {"steps": 2, "total": 1, "model": 0, "loop": 1}
+    assert syncs.per_step() == {"steps": 2, "total": 1, "model": 0, "loop": 1, "blocking_copies": 0}
 
 
 class RecordedEvent:

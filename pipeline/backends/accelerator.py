@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
@@ -112,10 +113,14 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     sharding = cfg.train.sharding
     if sharding == "fsdp" and not torch.cuda.is_available():
         raise ValueError("train.sharding=fsdp needs CUDA devices and torch sees none: use zero1 or none here")
+    cuda = torch.cuda.is_available()
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
+        cpu=not cuda,
         mixed_precision=mixed,
         fsdp_plugin=distributed.fsdp_plugin() if sharding == "fsdp" else None,
+        # each batch copied to the device from pinned memory without the host waiting for the copy (accelerate's
+        # default copy blocks, once a step)
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
     )
     # the random streams as the Trainer leaves them once it is built (it seeds them with the run's seed after the
     # model is made): dropout draws the same masks on both backends
@@ -126,11 +131,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         sampler = LengthGroupedSampler(cfg.batch_size, lengths=lengths, generator=generator)
     else:
         sampler = RandomSampler(splits.train, generator=generator)
-    train_loader = DataLoader(splits.train, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
-    eval_loader = DataLoader(splits.eval, batch_size=cfg.eval.batch_size, collate_fn=collate)
-    val_loader = None
-    if splits.val is not None:
-        val_loader = DataLoader(splits.val, batch_size=cfg.eval.batch_size, collate_fn=collate)
+    loader = functools.partial(DataLoader, collate_fn=collate, pin_memory=cuda)
+    train_loader = loader(splits.train, batch_size=cfg.batch_size, sampler=sampler)
+    eval_loader = loader(splits.eval, batch_size=cfg.eval.batch_size)
+    val_loader = None if splits.val is None else loader(splits.val, batch_size=cfg.eval.batch_size)
     num_params, flops = model_size(model)  # before FSDP leaves this rank's shard in the parameters
     if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
         enable_checkpointing(model)

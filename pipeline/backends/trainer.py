@@ -172,6 +172,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         # of ranks, doubling gradients and logged losses on 2 ranks; one process is unaffected
         average_tokens_across_devices=False,
         use_cpu=not torch.cuda.is_available(),
+        # each batch copied to the device from pinned memory (dataloader_pin_memory, on by default) without the
+        # host waiting for the copy (accelerate's default copy blocks, once a step)
+        accelerator_config={"non_blocking": True},
         bf16=cfg.train.precision == "bf16",
         fp16=cfg.train.precision == "fp16",
         train_sampling_strategy="group_by_length" if cfg.train.group_by_length else "random",
