@@ -35,14 +35,15 @@ def load(cfg: DictConfig):
     splits = data.read_splits(cfg.data, cfg.outputs_dir)  # (their `inputs`: the splits as read, for MLflow)
     labels = splits.label_names
     tokenizer = models.load_tokenizer(cfg.model)
-    model = models.load_model(cfg.model, len(labels), labels, cfg.task.name)
+    # where the job trains: random weights are made there, qlora's 4-bit base is quantized there
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    # bf16_pure: bf16 weights, no fp32 master copy (the optimizer's state follows their dtype)
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
+    model = models.load_model(cfg.model, len(labels), labels, cfg.task.name, device, dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if cfg.train.precision == "bf16_pure":
-        # bf16 weights, no fp32 master copy: the optimizer's state follows their dtype
-        model.to(torch.bfloat16)
-    if cfg.peft.name != "none":
-        # adapters on the frozen base, qlora's 4-bit base quantized where the job trains
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    if dtype is not None:  # pretrained weights come in their checkpoint's dtype
+        model.to(dtype)
+    if cfg.peft.name != "none":  # adapters on the frozen base
         model = adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, device)
     splits = data.tokenize(
         splits, tokenizer, cfg.train.max_length, models.vocab_size(model), cfg.task.name, cfg.train.packing
