@@ -114,6 +114,9 @@ NOISE = {
     # bitsandbytes' optional fast CPU 4-bit kernel, which it asks the `kernels` package (a dependency of
     # transformers) to fetch from the Hub when bitsandbytes is imported; offline, the plain kernel runs
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward", lambda: True),
+    # the Trainer copies batches without blocking (pipeline.backends.trainer), from pinned memory on CUDA; off CUDA
+    # it pins nothing (use_cpu) and no batch is copied to a device
+    "transformers.trainer": ("`non_blocking` is enabled but `dataloader_pin_memory` is not", _no_cuda),
     "kernels._internals.hf_hub": (
         "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'",
         lambda: True,
