@@ -37,14 +37,25 @@ def gpu_machine_site(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow  # about a minute and a half: the bundle is compressed as a lease carries it
+@pytest.mark.slow  # about a minute
 def test_the_bundle_runs_a_job_in_a_python_that_has_only_it_and_what_a_gpu_machine_has(tmp_path):
-    """Built for this machine's Python (nothing downloaded): at most 48 MB, its path the last line; unpacked
-    into an empty folder, it gives a Python that has only torch and a GPU machine's packages what a job and
-    the lease's steps import, and a real one-point sweep runs there, reading its data and tokenizer from the
-    bundle. Without the bundle, that Python cannot run one."""
+    """Built for this machine's Python (nothing downloaded; xz's fastest preset, a third larger than `make
+    gpu-bundle`'s, whose 48 MB limit docs/gpu.md records), its path the last line; unpacked into an empty
+    folder, it gives a Python that has only torch and a GPU machine's packages what a job and the lease's steps
+    import, and a real one-point sweep runs there, reading its data and tokenizer from the bundle. Without the
+    bundle, that Python cannot run one."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_bundle", "--python", HERE, "--out", str(tmp_path / "built")],
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_bundle",
+            "--python",
+            HERE,
+            "--out",
+            str(tmp_path / "built"),
+            "--level",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -52,7 +63,7 @@ def test_the_bundle_runs_a_job_in_a_python_that_has_only_it_and_what_a_gpu_machi
     assert proc.returncode == 0, proc.stderr[-3000:]
     bundle = Path(proc.stdout.strip().splitlines()[-1])
     assert bundle == tmp_path / "built" / f"gpu-bundle-cp{HERE.replace('.', '')}.tar.xz"
-    assert bundle.stat().st_size <= gpu_bundle.MAX_MB * 2**20
+    assert bundle.stat().st_size <= 1.5 * gpu_bundle.MAX_MB * 2**20
     unpacked = tmp_path / "unpacked"
     unpacked.mkdir()
     with tarfile.open(bundle) as archive:
