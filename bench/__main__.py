@@ -13,7 +13,9 @@
 
 Every figure is a ratio of things measured in the same run, interleaved, so machine drift cancels; each is a
 median over repeats with min and max. Work files and logs go to outputs/bench/<time>/. `--only g` measures (g)
-alone (its import floors, its first run and its repeats) and prints it, leaving RESULTS.md as it is.
+alone (its import floors, its first run and its repeats) and prints it, leaving RESULTS.md as it is. `--smoke` runs
+every row's code once, on the tiny model at the fewest steps and jobs that give each figure (rows.SMOKE), and
+writes the page into its work folder (or --out): a check of the bench itself, whose figures mean little.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from pathlib import Path
 from bench.results import sweep_lines, write_results
 from bench.rows import (
     BAD_INPUTS,
-    FLOOR_READINGS,
     FULL,
     QUICK,
     ROOT,
-    SWEEP_JOBS,
+    SMOKE,
     Settings,
     bad_input,
     bare_loop,
@@ -51,8 +52,17 @@ MEASUREMENTS = "measurements.json"  # in the work folder: everything the page is
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="The pipeline's own cost (make bench / make bench-full).")
-    parser.add_argument("--full", action="store_true", help="more repeats, bigger batch, more steps")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="more repeats, bigger batch, more steps")
+    size.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every row once, tiny and short: a check of the bench's code (the page goes to the work folder)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="the page (default: bench/RESULTS.md; --smoke: the work folder's)"
+    )
+    parser.add_argument("--work", type=Path, help="work files and logs (default: outputs/bench/<time>/)")
     parser.add_argument(
         "--render",
         type=Path,
@@ -66,45 +76,48 @@ def main() -> None:
         "left as it is",
     )
     args = parser.parse_args()
+    out = args.out or ROOT / "bench" / "RESULTS.md"
     if args.render:
         kept = json.loads((args.render / MEASUREMENTS).read_text())
         started, s = datetime.fromisoformat(kept["started"]), Settings(**kept["settings"])
-        write_results(args.out, s, kept["command"], kept["r"], started, kept["took"], args.render.resolve())
-        print(args.out.read_text())
+        write_results(out, s, kept["command"], kept["r"], started, kept["took"], args.render.resolve())
+        print(out.read_text())
         return
-    s = FULL if args.full else QUICK
+    s = FULL if args.full else SMOKE if args.smoke else QUICK
     started = datetime.now()
-    work = ROOT / "outputs" / "bench" / f"{started:%Y-%m-%d_%H-%M-%S}"
+    work = (args.work or ROOT / "outputs" / "bench" / f"{started:%Y-%m-%d_%H-%M-%S}").resolve()
     work.mkdir(parents=True)
+    if args.smoke and not args.out:
+        out = work / "RESULTS.md"
 
     def say(text: str) -> None:
         print(f"[bench {(datetime.now() - started).total_seconds():4.0f} s] {text}", flush=True)
 
     say(f"work files in {work}")
     if args.only == "g":
-        r = {"floors": [], "floor_readings": FLOOR_READINGS, "sweep8": {"warm": [], "cold": []}}
-        r["sweep8_first"], r["sweep8_starters"] = sweep_first(work, say), {}
+        r = {"floors": [], "floor_readings": s.floor_readings, "sweep8": {"warm": [], "cold": []}}
+        r["sweep8_first"], r["sweep8_starters"] = sweep_first(s, work, say), {}
         for rep in range(s.repeats):
-            say(f"repeat {rep + 1}/{s.repeats}: import floor, the {SWEEP_JOBS}-job sweeps")
-            r["floors"].append(import_floor(work))
-            sweep_repeat(r, rep, work, say)
+            say(f"repeat {rep + 1}/{s.repeats}: import floor, the {s.sweep_jobs}-job sweeps")
+            r["floors"].append(import_floor(work, s.floor_readings))
+            sweep_repeat(s, r, rep, work, say)
         (work / MEASUREMENTS).write_text(
             json.dumps({"r": r, "settings": asdict(s), "only": "g"}, default=str)
         )
-        print("\n".join(sweep_lines(r)))
+        print("\n".join(sweep_lines(s, r)))
         return
     # not measured: creates the MLflow store and the CPU peak-FLOP/s cache, warms the file cache
     pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_000, work)
     r = {"floors": [], "jobs": {"trainer": [], "accelerator": []}, "bare": [], "tracked": []}
-    r["floor_readings"] = FLOOR_READINGS
+    r["floor_readings"] = s.floor_readings
     r["sweep8"] = {"warm": [], "cold": []}
-    r["sweep8_first"], r["sweep8_starters"] = sweep_first(work, say), {}
+    r["sweep8_first"], r["sweep8_starters"] = sweep_first(s, work, say), {}
     r["in_sweep"] = {"trainer": [], "accelerator": []}
     r["kept"] = {"trainer": [], "accelerator": []}
     r["kept_train"] = {"trainer": [], "accelerator": []}
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
-        r["floors"].append(import_floor(work))
+        r["floors"].append(import_floor(work, s.floor_readings))
         # not measured: starts the starter that the kept rows of (b) find running (it ends KEEP_S after the last,
         # or as (g) begins: each (g) command starts with none of the bench's alive)
         pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_001 + rep, work, kept=True)
@@ -119,27 +132,29 @@ def main() -> None:
         config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
         r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
-        sweep_repeat(r, rep, work, say)
+        sweep_repeat(s, r, rep, work, say)
         say(
             f"  step ms: trainer {r['jobs']['trainer'][-1]['train_step_ms']:.1f}, accelerator "
             f"{r['jobs']['accelerator'][-1]['train_step_ms']:.1f}, bare {r['bare'][-1]['train_step_ms']:.1f}"
         )
     say("bad input")
-    r["bad"] = {case: [bad_input(a, work) for _ in range(3)] for case, a in BAD_INPUTS.items()}
+    r["bad"] = {
+        case: [bad_input(a, work) for _ in range(s.bad_input_repeats)] for case, a in BAD_INPUTS.items()
+    }
     say("4 tiny jobs, one at a time, then 2 at a time")
     r["sweep"] = parallel_sweeps(s, work)
     say("optimizer step times")
     r["optim"] = optimizer_steps(s, work)
     say("host-device syncs per training step")
     r["syncs"] = host_syncs(work)
-    command = "make bench-full" if args.full else "make bench"
+    command = "make bench-full" if args.full else "python -m bench --smoke" if args.smoke else "make bench"
     took = (datetime.now() - started).total_seconds()
     # kept before the page is written: `--render WORK` writes it again without measuring
     kept = {"r": r, "settings": asdict(s), "command": command, "started": started.isoformat(), "took": took}
     (work / MEASUREMENTS).write_text(json.dumps(kept, default=str))
-    write_results(args.out, s, command, r, started, took, work)
-    say(f"wrote {args.out}")
-    print(args.out.read_text())
+    write_results(out, s, command, r, started, took, work)
+    say(f"wrote {out}")
+    print(out.read_text())
 
 
 if __name__ == "__main__":

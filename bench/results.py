@@ -10,7 +10,7 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
-from bench.rows import KEEP_S, PARALLEL_OVERRIDES, ROOT, SWEEP_JOBS, SWEEP_POINTS, SYNCS_JOB, Settings
+from bench.rows import KEEP_S, PARALLEL_OVERRIDES, ROOT, SYNCS_JOB, Settings
 from pipeline import starter
 
 GOALS = {
@@ -187,7 +187,7 @@ def write_results(
         f"- machine: {machine()}",
         f"- libraries: {versions()}",
         f"- command: `{command}` (settings: {', '.join(f'{k}={v}' for k, v in asdict(s).items())})",
-        f"- logs and work files: `{work.relative_to(ROOT)}/`",
+        f"- logs and work files: `{work.relative_to(ROOT) if work.is_relative_to(ROOT) else work}/`",
         "",
         f"Each cell: median (min – max) over {s.repeats} repeats, run interleaved; ratios are taken within a",
         "repeat. Absolute times drift on shared machines: read the ratios.",
@@ -236,7 +236,7 @@ def write_results(
     for start in ("warm", "cold"):
         ratios = [job / f for job, f in zip(r["sweep8"][start], floors, strict=True)]
         lines.append(
-            f"| (g) {SWEEP_JOBS}-job tiny sweep, jobs started {start} (the whole command"
+            f"| (g) {s.sweep_jobs}-job tiny sweep, jobs started {start} (the whole command"
             f"{', its starter started' if start == 'warm' else ''}): wall per job / import floor | "
             f"{cell(ratios)} | {verdict(statistics.median(ratios), GOALS['sweep_job'])} |"
         )
@@ -314,7 +314,7 @@ def write_results(
         )
     lines += [
         "",
-        f"The same job inside a sweep of {SWEEP_POINTS} (`-m seed=a,b,c`, the same overrides): each job after the "
+        f"The same job inside a sweep of {s.sweep_points} (`-m seed=a,b,...`, the same overrides): each job after the "
         "first, from its run's opening to its job process's end, less its training loop — the job's process "
         "forked from the sweep's starter, the splits and the simulated step from the caches, the MLflow store "
         "already open (seconds):",
@@ -381,7 +381,7 @@ def write_results(
                 f"| {o['optim']} | {o['step_ms']:.1f} ({o['min_ms']:.1f} – {o['max_ms']:.1f}) | "
                 f"{o['first_step_ms']:.1f} | {rel} |"
             )
-    lines += ["", "## (g) A sweep of short jobs", "", *sweep_lines(r)]
+    lines += ["", "## (g) A sweep of short jobs", "", *sweep_lines(s, r)]
     if syncs:
         lines += [
             "",
@@ -409,16 +409,16 @@ def write_results(
     out.write_text("\n".join(lines) + "\n")
 
 
-def sweep_lines(r: dict) -> list[str]:
+def sweep_lines(s: Settings, r: dict) -> list[str]:
     """(g)'s section of the page: what was run, the job starters alive, the table."""
     floors, first, found = r["floors"], r.get("sweep8_first"), r.get("sweep8_starters")
     lines = [
-        f"`python -m pipeline -m model=tiny seed=0,...,{SWEEP_JOBS - 1} train.max_steps=1 force=true` with "
+        f"`python -m pipeline -m model=tiny seed=0,...,{s.sweep_jobs - 1} train.max_steps=1 force=true` with "
         "`launcher.start_jobs=warm` (the default: each job's process forked from the sweep's starter) and "
         "`=cold` (a new interpreter per job); the whole command's wall time (Hydra, its job starter's start and "
-        f"imports, the MLflow store, the parent run, the report) divided by its {SWEEP_JOBS} jobs, in seconds: "
+        f"imports, the MLflow store, the parent run, the report) divided by its {s.sweep_jobs} jobs, in seconds: "
         "what a user's sweep costs. The repeats run after the "
-        f"same sweep ran once (its first run: the tiny model's splits tokenized and its {SWEEP_JOBS} batch shapes' steps "
+        f"same sweep ran once (its first run: the tiny model's splits tokenized and its {s.sweep_jobs} batch shapes' steps "
         "simulated, each a new sequence length; every later run finds them in the caches, as a rerun, or "
         "a later seed whose batches have a length simulated already, does).",
     ]
@@ -439,7 +439,7 @@ def sweep_lines(r: dict) -> list[str]:
         "| --- | --- | --- | --- |",
         *(
             f"| {start} | {cell(r['sweep8'][start], '{:.2f}')} | "
-            f"{cell([j * SWEEP_JOBS for j in r['sweep8'][start]], '{:.1f}')} | "
+            f"{cell([j * s.sweep_jobs for j in r['sweep8'][start]], '{:.1f}')} | "
             f"{cell([j / f for j, f in zip(r['sweep8'][start], floors, strict=True)])} |"
             for start in ("warm", "cold")
         ),
@@ -447,7 +447,7 @@ def sweep_lines(r: dict) -> list[str]:
     if first:  # (a run measured before this row existed has none)
         lines.append(
             f"| warm, the sweep's first run (caches empty; measured once, before the repeats) | "
-            f"{first['per_job']:.2f} | {first['per_job'] * SWEEP_JOBS:.1f} | {first['per_job'] / first['floor']:.3g} |"
+            f"{first['per_job']:.2f} | {first['per_job'] * s.sweep_jobs:.1f} | {first['per_job'] / first['floor']:.3g} |"
         )
     lines += ["", f"Import floor: {cell(floors, '{:.2f}')} s; goal for warm: ≤ {GOALS['sweep_job']} of it."]
     return lines

@@ -29,10 +29,8 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     TAG: str(os.getpid()),
 }
-SWEEP_JOBS = 8  # (g)
 # (h): 6 steps of the tiny model (its steps 2-5 counted), in one process
 SYNCS_JOB = ["model=tiny", "data.max_train_samples=128", "data.max_eval_samples=32", "train.max_steps=6"]
-FLOOR_READINGS = 3  # a repeat's import floor: the median of this many readings (one process start is noisy)
 
 
 @dataclass(frozen=True)
@@ -46,10 +44,18 @@ class Settings:
     parallel_steps: int  # (e): 4 tiny jobs of this many steps
     optim_model: str  # (f)
     optim_steps: int
+    sweep_jobs: int = 8  # (g)
+    sweep_points: int = 3  # (b) in a sweep: jobs of one sweep, the first left out (it fills the caches)
+    floor_readings: int = 3  # a repeat's import floor: the median of this many (one process start is noisy)
+    bad_input_repeats: int = 3  # (d)
 
 
 QUICK = Settings(2, "minilm", 8, 20, 64, 64, 5, "tiny", 5)
 FULL = Settings(5, "minilm", 16, 60, 64, 1000, 20, "minilm", 10)
+# `make bench`'s every row once, on the tiny model, at the fewest steps and jobs that still give each figure (a
+# steady step after 3 warm-up steps, a job inside a sweep after its first): a check of the bench's own code
+SMOKE = Settings(1, "tiny", 8, 6, 32, 16, 2, "tiny", 1, sweep_jobs=2, sweep_points=2, floor_readings=1,
+                 bad_input_repeats=1)  # fmt: skip
 
 
 def run(cmd: list[str], log: Path, check: bool = True, env: dict | None = None) -> tuple[float, int]:
@@ -101,16 +107,13 @@ def pipeline_job(s: Settings, backend: str, seed: int, work: Path, kept: bool = 
     }
 
 
-SWEEP_POINTS = 3  # (b) in a sweep: MiniLM jobs of one sweep, the first left out (it fills the caches)
-
-
 def sweep_overheads(s: Settings, backend: str, rep: int, work: Path) -> list[float]:
-    """(b) inside a sweep: a sweep of SWEEP_POINTS MiniLM jobs (as (b)'s single run, other seeds); for each job
+    """(b) inside a sweep: a sweep of `s.sweep_points` jobs (as (b)'s single run, other seeds); for each job
     after the first, its run's time from opening to its job process's end, less its training loop (s)."""
     from mlflow import MlflowClient
 
     name = f"sweep-{backend}-{rep}"
-    seeds = ",".join(str(1000 * (rep + 1) + i) for i in range(SWEEP_POINTS))
+    seeds = ",".join(str(1000 * (rep + 1) + i) for i in range(s.sweep_points))
     overrides = [o for o in job_overrides(s, backend, 0, work, name) if not o.startswith(("seed=", "hydra."))]
     overrides += [f"seed={seeds}", f"hydra.sweep.dir={work}/multirun/{name}"]
     run([PY, "-m", "pipeline", "-m", *overrides], work / f"{name}.log")
@@ -134,9 +137,9 @@ def bare_loop(config: Path, work: Path, name: str, peak_tracker: bool = False) -
     return json.loads((work / f"{name}.log").read_text().strip().splitlines()[-1])
 
 
-def import_floor(work: Path) -> float:
+def import_floor(work: Path, readings: int) -> float:
     cmd = [PY, "-c", "import torch, transformers, mlflow"]
-    return statistics.median(run(cmd, work / "floor.log")[0] for _ in range(FLOOR_READINGS))
+    return statistics.median(run(cmd, work / "floor.log")[0] for _ in range(readings))
 
 
 BAD_INPUTS = {"optim=nope": ["optim=nope"], "batch_size=0": ["batch_size=0"]}
@@ -213,14 +216,14 @@ def end_own_starters() -> dict[str, int]:
     return {"ended": len(ended), "others": len(left)}
 
 
-def sweep_per_job(work: Path, start: str, alive: dict | None = None) -> float:
-    """(g) Wall time of an 8-job tiny sweep of one step each (the whole command: sweep start, its job starter's
+def sweep_per_job(work: Path, start: str, jobs: int, alive: dict | None = None) -> float:
+    """(g) Wall time of a `jobs`-job tiny sweep of one step each (the whole command: sweep start, its job starter's
     start, parent run, report), divided by its jobs; `start`: launcher.start_jobs. The bench's starters are
     ended first (end_own_starters: what it found goes into `alive`, a list per start)."""
     found = end_own_starters()
     if alive is not None:
         alive.setdefault(start, []).append(found)
-    seeds = ",".join(map(str, range(SWEEP_JOBS)))
+    seeds = ",".join(map(str, range(jobs)))
     overrides = [
         "model=tiny",
         f"seed={seeds}",
@@ -230,7 +233,7 @@ def sweep_per_job(work: Path, start: str, alive: dict | None = None) -> float:
     ]
     overrides += [f"outputs_dir={work}", f"hydra.sweep.dir={work}/multirun/sweep8-{start}-{time.time_ns()}"]
     wall, _ = run([PY, "-m", "pipeline", "-m", *overrides], work / f"sweep8-{start}.log")
-    return wall / SWEEP_JOBS
+    return wall / jobs
 
 
 def optimizer_steps(s: Settings, work: Path) -> list[dict]:
@@ -246,23 +249,26 @@ def host_syncs(work: Path) -> dict[str, dict]:
     return json.loads(log.read_text().strip().splitlines()[-1])
 
 
-def sweep_first(work: Path, say) -> dict:
-    """(g)'s first run, measured apart: it tokenizes the tiny model's splits and simulates its 8 batch shapes;
+def sweep_first(s: Settings, work: Path, say) -> dict:
+    """(g)'s first run, measured apart: it tokenizes the tiny model's splits and simulates its jobs' batch shapes;
     every later one finds them in the caches, as any rerun or later seed of a shape does."""
-    say(f"import floor, then the first {SWEEP_JOBS}-job tiny sweep (caches empty)")
+    say(f"import floor, then the first {s.sweep_jobs}-job tiny sweep (caches empty)")
     alive: dict = {}
-    first = {"floor": import_floor(work), "per_job": sweep_per_job(work, "warm", alive)}
+    first = {
+        "floor": import_floor(work, s.floor_readings),
+        "per_job": sweep_per_job(work, "warm", s.sweep_jobs, alive),
+    }
     return {**first, "starters": alive["warm"][0]}
 
 
-def sweep_repeat(r: dict, rep: int, work: Path, say) -> None:
+def sweep_repeat(s: Settings, r: dict, rep: int, work: Path, say) -> None:
     """(g) in one repeat: the sweep with its jobs started warm and cold (in turn first), each command with none
     of the bench's job starters alive."""
     for start in ("warm", "cold")[:: 1 if rep % 2 == 0 else -1]:
-        r["sweep8"][start].append(sweep_per_job(work, start, r["sweep8_starters"]))
+        r["sweep8"][start].append(sweep_per_job(work, start, s.sweep_jobs, r["sweep8_starters"]))
     found = r["sweep8_starters"]["warm"][-1]
     say(
-        f"  {SWEEP_JOBS}-job sweep, s per job: warm {r['sweep8']['warm'][-1]:.2f}, cold "
+        f"  {s.sweep_jobs}-job sweep, s per job: warm {r['sweep8']['warm'][-1]:.2f}, cold "
         f"{r['sweep8']['cold'][-1]:.2f} (job starters alive before the warm one: {found['others']}; the bench's "
         f"ended first: {found['ended']})"
     )

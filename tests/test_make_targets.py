@@ -1,0 +1,214 @@
+"""Every make target runs in CI: each one of the Makefile's .PHONY list is run by a test named in docs/testing.md's
+table of targets, at the smallest settings that still go through its real code, or that table says in one line why
+not. The list comes from the Makefile itself, so a new target without a smoke run fails here. The smoke runs that
+no other file holds are below: `make bench ARGS=--smoke`, `make plan-accuracy` on one case, the servers that run
+until Ctrl-C (started, asked once, stopped with nothing left), `make lint`, `make clean`."""
+
+import ast
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env, running
+
+ROOT = Path(__file__).resolve().parent.parent
+MAKE = ["make", "-s", "-o", ".venv/.installed"]  # the install step taken as done: the suite runs in .venv
+
+
+def phony_targets() -> list[str]:
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith(".PHONY:"))
+    return line.split(":", 1)[1].split()
+
+
+def target_table() -> dict[str, str]:
+    """docs/testing.md's table of make targets: target -> what runs it (a test, `file::name`) or why none does."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    section = text.split("## Make targets in CI", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): cells[1].strip() for cells in rows}
+
+
+def test_every_make_target_is_run_by_a_test_or_says_why_not():
+    table = target_table()
+    assert set(phony_targets()) - set(table) == set(), "make targets without a row in docs/testing.md"
+    assert set(table) - set(phony_targets()) == set(), "rows in docs/testing.md of targets the Makefile lacks"
+    for target, runner in table.items():
+        tests = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", runner)
+        if not tests:  # a reason, in words
+            assert len(runner) > 20, f"{target}: neither a test nor a reason: {runner!r}"
+            continue
+        for path, name in tests:
+            functions = {
+                node.name
+                for node in ast.walk(ast.parse((ROOT / path).read_text()))
+                if isinstance(node, ast.FunctionDef)
+            }
+            assert name in functions, f"{target}: {path} has no test {name}"
+
+
+def make(
+    *args: str, timeout: float, cwd: Path = ROOT, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MAKE, *args], cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow  # 2-3 min: every row of make bench once
+def test_make_bench_smoke_gives_every_goal_row_a_number(tmp_path):
+    """`make bench ARGS=--smoke`: every row's code once, the page in its work folder; each goal row has a figure
+    and a verdict. (It fails where any row's code fails: bench/probe.py once patched a function that had moved.)"""
+    work = tmp_path / "bench"
+    done = make("bench", f"ARGS=--smoke --work {work}", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    page = (work / "RESULTS.md").read_text()
+    goals = page.split("## Goals", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in goals.splitlines() if line.startswith("| (")]
+    assert {row[3] for row in rows} == set("abcdegh"), rows  # every row's letter: "| (a) ..."
+    for row in rows:
+        measured, target = row.split("|")[2:4]
+        assert re.match(r" ?[\d.]+", measured), row
+        assert "**met**" in target or "**missed**" in target, row
+    assert "`python -m bench --smoke`" in page
+
+
+@pytest.mark.slow  # about 10 s: one case's job and its plan
+def test_make_plan_accuracy_measures_one_case_against_its_plan(tmp_path):
+    out = tmp_path / "plan-accuracy.md"
+    args = f"--models tiny --optims adamw --precisions fp32 --checkpointing false --steps 2 --out {out}"
+    done = make("plan-accuracy", f"ARGS={args}", timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny | adamw | fp32 |")]
+    assert len(rows) == 1 and rows[0].endswith("| ok |"), out.read_text()
+    assert out.with_suffix(".csv").exists()
+
+
+@pytest.mark.slow  # about 20 s: one 2-rank job (torchrun) and its plan
+def test_make_plan_accuracy_ranks_measures_each_rank_against_its_plan(tmp_path):
+    doc = tmp_path / "plan-accuracy.md"
+    args = f"--models tiny --optims adamw --shardings none --steps 2 --doc {doc}"
+    done = make("plan-accuracy-ranks", f"ARGS={args}", timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(re.findall(r"\[plan-ranks\] tiny adamw none rank [01]: [-+]\d", done.stdout)) == 2, done.stdout
+    assert (tmp_path / "plan-accuracy-ranks.csv").exists()
+
+
+def test_make_lint_passes():
+    done = make("lint", timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_make_clean_removes_the_runs_and_keeps_the_readme(tmp_path):
+    """In a folder of its own (it removes outputs/ of the folder it runs in)."""
+    outputs = tmp_path / "outputs"
+    for name in ("mlflow.db", "runs/a/config.yaml", "cache/x", "report/r.md", "README.md"):
+        (outputs / name).parent.mkdir(parents=True, exist_ok=True)
+        (outputs / name).write_text("x")
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    done = make("clean", timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in outputs.iterdir()) == ["README.md"]
+
+
+def serve_until_ctrl_c(target: str, ready: str, tmp_path: Path, timeout: float = 180):
+    """Start `make <target>` in a session of its own; the line starting with `ready` that it prints once up."""
+    log = tmp_path / f"{target}.log"
+    out = log.open("w")
+    proc = subprocess.Popen(
+        [*MAKE, target], cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = [line for line in log.read_text().splitlines() if line.startswith(ready)]
+        if found:
+            return proc, found[0], log
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"make {target} did not print {ready!r}: {log.read_text()[-3000:]}")
+
+
+def ctrl_c(proc: subprocess.Popen, log: Path, folder: Path) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to the foreground process group (make passes it on and ends by
+    it); then nothing of the group is left, nor any process of the server's `folder` (a daemon of a session
+    of its own: PostgreSQL's)."""
+    group = proc.pid
+    os.killpg(group, signal.SIGINT)
+    assert proc.wait(timeout=120) in (0, -signal.SIGINT), log.read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(running(pid) for pid in group_members(group)):
+        time.sleep(0.2)
+    assert not [pid for pid in group_members(group) if running(pid)], log.read_text()[-3000:]
+    assert not serving(folder), log.read_text()[-3000:]
+    assert not folder.exists() and f"stopped, {folder} removed" in log.read_text()
+
+
+def serving(folder: Path) -> list[int]:
+    """The processes whose command line names `folder`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(folder).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if running(pid)]
+
+
+def group_members(group: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == group
+            ):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.slow  # about 10 s
+def test_make_postgres_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
+    from tests import services
+
+    reason = services.missing("postgres")
+    if reason:
+        pytest.skip(reason)
+    proc, line, log = serve_until_ctrl_c("postgres-up", "PostgreSQL up in ", tmp_path)
+    uri = line.split("store: ", 1)[1].strip()
+    import sqlalchemy
+
+    with sqlalchemy.create_engine(uri).connect() as connection:
+        assert connection.execute(sqlalchemy.text("select 1")).scalar() == 1
+    folder = Path(line.split("PostgreSQL up in ", 1)[1].split(";", 1)[0])
+    assert serving(folder)  # its postmaster
+    ctrl_c(proc, log, folder)
+
+
+@pytest.mark.slow  # about 20 s
+def test_make_slurm_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
+    from tests import services
+
+    reason = services.missing("slurm")
+    if reason:
+        pytest.skip(reason)
+    proc, _, log = serve_until_ctrl_c("slurm-up", "SLURM node ", tmp_path)
+    conf = next(line for line in log.read_text().splitlines() if "export SLURM_CONF=" in line)
+    conf = conf.split("export SLURM_CONF=", 1)[1].strip()
+    asked = subprocess.run(
+        ["sinfo", "--noheader", "--format=%T"],
+        env={**os.environ, "SLURM_CONF": conf},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert asked.returncode == 0 and asked.stdout.strip() == "idle", asked.stdout + asked.stderr
+    ctrl_c(proc, log, Path(conf).parent)
