@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -36,12 +37,15 @@ from bench.rows import (
     SMOKE,
     Settings,
     bad_input,
+    bare_config,
     bare_loop,
     host_syncs,
     import_floor,
     optimizer_steps,
     parallel_sweeps,
     pipeline_job,
+    step_repeat,
+    steps_settled,
     sweep_first,
     sweep_overheads,
     sweep_repeat,
@@ -115,9 +119,13 @@ def main() -> None:
     r["in_sweep"] = {"trainer": [], "accelerator": []}
     r["kept"] = {"trainer": [], "accelerator": []}
     r["kept_train"] = {"trainer": [], "accelerator": []}
+    # (a)'s step times (ms), one per repeat: the bare loop before the jobs, the jobs, the bare loop after them
+    r["steps"] = steps = {"bare_before": [], "trainer": [], "accelerator": [], "bare": []}
+    config = bare_config(s, work)
     for rep in range(s.repeats):
         say(f"repeat {rep + 1}/{s.repeats}: import floor, pipeline jobs, bare loops")
         r["floors"].append(import_floor(work, s.floor_readings))
+        steps["bare_before"].append(bare_loop(config, work, f"bare-before-{rep}")["train_step_ms"])
         # not measured: starts the starter that the kept rows of (b) find running (it ends KEEP_S after the last,
         # or as (g) begins: each (g) command starts with none of the bench's alive)
         pipeline_job(Settings(**{**asdict(s), "steps": 3}), "trainer", 10_001 + rep, work, kept=True)
@@ -129,14 +137,30 @@ def main() -> None:
             r["kept"][backend].append(kept["wall"] - r["jobs"][backend][-1]["train_runtime_s"])
             r["kept_train"][backend].append(kept["train_runtime_s"])
             r["in_sweep"][backend].append(statistics.median(sweep_overheads(s, backend, rep, work)))
-        config = r["jobs"]["trainer"][-1]["config"]
         r["bare"].append(bare_loop(config, work, f"bare-{rep}"))
+        for key, found in (
+            *((b, r["jobs"][b][-1]) for b in ("trainer", "accelerator")),
+            ("bare", r["bare"][-1]),
+        ):
+            steps[key].append(found["train_step_ms"])
         r["tracked"].append(bare_loop(config, work, f"bare-tracked-{rep}", peak_tracker=True))
         sweep_repeat(s, r, rep, work, say)
         say(
             f"  step ms: trainer {r['jobs']['trainer'][-1]['train_step_ms']:.1f}, accelerator "
             f"{r['jobs']['accelerator'][-1]['train_step_ms']:.1f}, bare {r['bare'][-1]['train_step_ms']:.1f}"
         )
+    started_steps = time.monotonic()
+    while len(steps["bare"]) < s.step_repeats and not steps_settled(steps, s.step_noise_pct):
+        if time.monotonic() - started_steps > s.step_cap_s:
+            say(
+                f"(a): {len(steps['bare'])} repeats, {s.step_cap_s:.0f} s of more repeats: stopped short of ±{s.step_noise_pct:g}%"
+            )
+            break
+        say(
+            f"(a) repeat {len(steps['bare']) + 1}: a ratio's 95% interval is wider than ±{s.step_noise_pct:g}%"
+        )
+        for key, ms in step_repeat(s, config, len(steps["bare"]), work).items():
+            steps[key].append(ms)
     say("bad input")
     r["bad"] = {
         case: [bad_input(a, work) for _ in range(s.bad_input_repeats)] for case, a in BAD_INPUTS.items()

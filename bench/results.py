@@ -10,7 +10,7 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
-from bench.rows import KEEP_S, PARALLEL_OVERRIDES, ROOT, SYNCS_JOB, Settings
+from bench.rows import KEEP_S, PARALLEL_OVERRIDES, ROOT, SYNCS_JOB, Settings, interval, step_ratios
 from pipeline import starter
 
 GOALS = {
@@ -54,6 +54,26 @@ def cell(values: list[float], fmt: str = "{:.3g}") -> str:
 def verdict(value: float, goal: float, at_most: bool = True, unit: str = "") -> str:
     ok = value <= goal if at_most else value >= goal
     return f"{'≤' if at_most else '≥'} {goal:g}{unit}: " + ("**met**" if ok else "**missed**")
+
+
+def ratio_cell(values: list[float]) -> str:
+    """The mean ratio ± its 95% interval (relative), and how many repeats it is over."""
+    found = interval(values)
+    if found is None:
+        return f"{statistics.fmean(values):.3g} (1 repeat: no interval)"
+    mean, half = found
+    return f"{mean:.3g} ± {100 * half:.1f}% ({len(values)} repeats)"
+
+
+def noisy_verdict(values: list[float], goal: float) -> str:
+    """≤ goal: met where the whole 95% interval is, missed where none of it is, else within noise."""
+    found = interval(values)
+    if found is None:
+        return verdict(statistics.fmean(values), goal)
+    mean, half = found
+    low, high = mean * (1 - half), mean * (1 + half)
+    said = "**met**" if high <= goal else "**missed**" if low > goal else "**within noise**"
+    return f"≤ {goal:g}: {said}"
 
 
 def versions() -> str:
@@ -197,7 +217,19 @@ def write_results(
         "| goal | measured | target |",
         "| --- | --- | --- |",
     ]
-    for backend, runs in jobs.items():
+    steps = r.get("steps")  # (a run measured before the A/A row existed has none)
+    if steps:
+        ratios = step_ratios(steps)
+        lines.append(
+            "| (a) A/A: the bare loop after the jobs / the bare loop before them (the machine's noise) | "
+            f"{ratio_cell(ratios['bare'])} | the noise the step ratios are read against |"
+        )
+        for backend in jobs:
+            lines.append(
+                f"| (a) step time, `backend={backend}` / bare loop | {ratio_cell(ratios[backend])} | "
+                f"{noisy_verdict(ratios[backend], GOALS['step'])} |"
+            )
+    for backend, runs in jobs.items() if not steps else ():
         ratios = [j["train_step_ms"] / b["train_step_ms"] for j, b in zip(runs, bare, strict=True)]
         lines.append(
             f"| (a) step time, `backend={backend}` / bare loop | {cell(ratios)} | "
@@ -278,6 +310,14 @@ def write_results(
         "| loop | step [ms] | / bare |",
         "| --- | --- | --- |",
         f"| bare PyTorch loop (`bench/bare_loop.py`) | {cell([b['train_step_ms'] for b in bare])} | 1 |",
+        *(
+            [
+                f"| bare loop before the jobs (A/A) | {cell(r['steps']['bare_before'][: len(bare)])} | "
+                f"{cell([a / b['train_step_ms'] for a, b in zip(r['steps']['bare_before'], bare, strict=False)])} |"
+            ]
+            if steps
+            else []
+        ),
         f"| bare loop inside the pipeline's CPU peak tracker | {cell([b['train_step_ms'] for b in tracked])} "
         f"| {cell([t['train_step_ms'] / b['train_step_ms'] for t, b in zip(tracked, bare, strict=True)])} |",
     ]
@@ -287,6 +327,18 @@ def write_results(
             f"{cell([j['train_step_ms'] / b['train_step_ms'] for j, b in zip(runs, bare, strict=True)])} |"
         )
 
+    if steps:
+        n = len(steps["bare"])
+        lines += [
+            "",
+            f"The table above holds the main repeats ({len(bare)}). The goals' (a) rows take {n} repeats: those, and "
+            f"repeats of (a) alone (the bare loop, each backend's job in turn first, the bare loop again) added "
+            f"until each ratio's 95% interval (Student's t over the repeats' ratios) was within "
+            f"±{s.step_noise_pct:g}% of its mean, or {s.step_repeats} repeats, or {s.step_cap_s:.0f} s of added "
+            "repeats. The A/A ratio compares the bare loop with itself, run around the jobs as the jobs are run "
+            "around it: its interval is the machine's own noise. A goal is met where the whole interval is within "
+            "it, missed where none of it is, and within noise otherwise.",
+        ]
     lines += [
         "",
         "## (b) Fixed overhead of one job, and (c) MLflow",

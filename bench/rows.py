@@ -44,6 +44,11 @@ class Settings:
     parallel_steps: int  # (e): 4 tiny jobs of this many steps
     optim_model: str  # (f)
     optim_steps: int
+    # (a): more interleaved repeats of the step ratios alone, until each ratio's 95% interval is within
+    # ±step_noise_pct of its mean, or step_repeats repeats (the main ones counted), or step_cap_s seconds of them
+    step_repeats: int = 10
+    step_cap_s: float = 900
+    step_noise_pct: float = 3.0
     sweep_jobs: int = 8  # (g)
     sweep_points: int = 3  # (b) in a sweep: jobs of one sweep, the first left out (it fills the caches)
     floor_readings: int = 3  # a repeat's import floor: the median of this many (one process start is noisy)
@@ -54,8 +59,8 @@ QUICK = Settings(2, "minilm", 8, 20, 64, 64, 5, "tiny", 5)
 FULL = Settings(5, "minilm", 16, 60, 64, 1000, 20, "minilm", 10)
 # `make bench`'s every row once, on the tiny model, at the fewest steps and jobs that still give each figure (a
 # steady step after 3 warm-up steps, a job inside a sweep after its first): a check of the bench's own code
-SMOKE = Settings(1, "tiny", 8, 6, 32, 16, 2, "tiny", 1, sweep_jobs=2, sweep_points=2, floor_readings=1,
-                 bad_input_repeats=1)  # fmt: skip
+SMOKE = Settings(1, "tiny", 8, 6, 32, 16, 2, "tiny", 1, step_repeats=2, sweep_jobs=2, sweep_points=2,
+                 floor_readings=1, bad_input_repeats=1)  # fmt: skip
 
 
 def run(cmd: list[str], log: Path, check: bool = True, env: dict | None = None) -> tuple[float, int]:
@@ -129,6 +134,55 @@ def sweep_overheads(s: Settings, backend: str, rep: int, work: Path) -> list[flo
     return [
         (r.info.end_time - r.info.start_time) / 1000 - r.data.metrics["train_runtime_s"] for r in runs[1:]
     ]
+
+
+def step_ratios(steps: dict[str, list[float]]) -> dict[str, list[float]]:
+    """(a)'s ratios, one per repeat: each backend's step time over the bare loop's run after it, and the A/A
+    ratio, the bare loop's run after the jobs over its run before them (the machine's own noise)."""
+    after = steps["bare"]
+    return {
+        **{b: [j / a for j, a in zip(steps[b], after, strict=True)] for b in ("trainer", "accelerator")},
+        "bare": [a / b for a, b in zip(after, steps["bare_before"], strict=True)],
+    }
+
+
+def interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The mean and the half-width of its `level` confidence interval (Student's t), relative to the mean (a
+    fraction); None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    from scipy import stats as scipy_stats
+
+    mean = statistics.fmean(values)
+    half = scipy_stats.t.ppf((1 + level) / 2, len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+    return mean, half / mean
+
+
+def steps_settled(steps: dict[str, list[float]], noise_pct: float) -> bool:
+    """Each ratio of (a), the A/A one among them, within ±noise_pct of its mean at 95%."""
+    found = [interval(v) for v in step_ratios(steps).values()]
+    return all(f is not None and f[1] * 100 <= noise_pct for f in found)
+
+
+def bare_config(s: Settings, work: Path) -> Path:
+    """The config (a)'s jobs are composed from (job_overrides), saved for the bare loop's runs."""
+    from omegaconf import OmegaConf
+
+    from bench.bare_loop import compose
+
+    overrides = [o for o in job_overrides(s, "trainer", 0, work, "bare") if not o.startswith("hydra.")]
+    path = work / "bare-config.yaml"
+    OmegaConf.save(compose(overrides), path, resolve=True)
+    return path
+
+
+def step_repeat(s: Settings, config: Path, rep: int, work: Path) -> dict[str, float]:
+    """(a) alone, once: the bare loop, each backend's job (in turn first), the bare loop again; step times (ms)."""
+    found = {"bare_before": bare_loop(config, work, f"bare-before-{rep}")["train_step_ms"]}
+    for backend in ("trainer", "accelerator")[:: 1 if rep % 2 == 0 else -1]:
+        found[backend] = pipeline_job(s, backend, 200 + rep, work)["train_step_ms"]
+    found["bare"] = bare_loop(config, work, f"bare-{rep}")["train_step_ms"]
+    return found
 
 
 def bare_loop(config: Path, work: Path, name: str, peak_tracker: bool = False) -> dict:
