@@ -84,7 +84,7 @@ finish() {
             if [ -f "$WORK/check-$name/summary.md" ]; then
                 cat "$WORK/check-$name/summary.md"
             elif [ -f "$LOGS/$name.log" ]; then
-                echo '```' 
+                echo '```'
                 # pytest: its short summary (-rA), or where it was killed the -v line of each test that ended;
                 # the errors' E lines; its last line
                 { grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$LOGS/$name.log" ||
@@ -169,6 +169,13 @@ if [ -z "$allow_cpu" ] && ! "$PYTHON" -c 'import torch, sys; sys.exit(not torch.
 fi
 
 # ---- the steps ------------------------------------------------------------------------------------------------
+leftovers() {  # kill what a step left running (in sessions of its own too), found by the mark it inherited
+    local pid killed=0
+    for pid in $(grep -lszxF "GPU_LEASE_STEP=$$:$1" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+        [ "$pid" != "$$" ] && kill -KILL "$pid" 2>/dev/null && killed=$((killed + 1))
+    done
+    echo "$killed"
+}
 check() {  # CMD: a bench.gpu_check call of these steps, within the step's time-out, into check-<step>/
     local name=$1 steps=$2
     CMD=("$PYTHON" -m bench.gpu_check --only "$steps" --no-docs --out "$WORK/check-$name"
@@ -204,7 +211,8 @@ for step in $STEPS; do
     CURRENT=$step CURRENT_LIMIT=$limit STEP_START=$(date +%s)
     set_command "$step"
     echo "[gpu-lease] $step (time-out ${limit} s): ${CMD[*]}"
-    timeout --signal=TERM --kill-after="$GRACE_S" "$limit" "${CMD[@]}" >"$LOGS/$step.log" 2>&1 </dev/null &
+    GPU_LEASE_STEP="$$:$step" timeout --signal=TERM --kill-after="$GRACE_S" "$limit" "${CMD[@]}" \
+        >"$LOGS/$step.log" 2>&1 </dev/null &
     STEP_PID=$!
     wait "$STEP_PID"
     code=$?
@@ -215,6 +223,8 @@ for step in $STEPS; do
     124 | 137) result="TIMED OUT after ${limit} s" ;;
     *) result="FAILED (exit $code)" ;;
     esac
+    orphans=$(leftovers "$step")  # the next step gets the GPU to itself
+    ((orphans > 0)) && result="$result; $orphans process(es) it left killed"
     echo -e "$step\t$result\t$seconds\t$limit" >>"$WORK/steps.tsv"
     echo "[gpu-lease] $step: $result in ${seconds} s"
     finish
@@ -223,4 +233,4 @@ echo
 cat "$OUT/summary.md"
 echo "[gpu-lease] in $OUT: $(cd "$OUT" && ls | tr '\n' ' '); work folder $WORK"
 # 0 when every step that ran passed, 1 otherwise
-! cut -f2 "$WORK/steps.tsv" | grep -qv -e '^ok$' -e '^skipped'
+! cut -f2 "$WORK/steps.tsv" | grep -qv -e '^ok' -e '^skipped'

@@ -231,6 +231,25 @@ def test_sigterm_stops_the_running_step_and_still_leaves_the_summary(tmp_path):
     assert not running(int(pid_file.read_text()))
 
 
+@pytest.mark.slow  # about 10 s
+def test_what_a_step_leaves_running_is_killed_before_the_next(tmp_path):
+    """A step whose process leaves a child in a session of its own (as a sweep's job starter is): the lease
+    kills it after the step, found by the mark the step's processes inherit, and says so."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        'for a in "$@"; do if [ "$a" = pytest ]; then setsid sleep 301 & echo $! > '
+        f"{tmp_path / 'left.pid'}; exit 0; fi; done\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    proc, out, _ = lease(tmp_path, "--only", "quick", python=wrapper)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "| quick | ok; 1 process(es) it left killed |" in (out / "summary.md").read_text()
+    assert not running(int((tmp_path / "left.pid").read_text()))
+
+
 def test_the_lease_refuses_an_unknown_step_in_one_line(tmp_path):
     proc, out, _ = lease(tmp_path, "--only", "quick,warp")
     output, _ = proc.communicate(timeout=30)
