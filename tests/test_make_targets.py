@@ -119,7 +119,13 @@ def test_make_clean_removes_the_runs_and_keeps_the_readme(tmp_path):
 
 
 def serve_until_ctrl_c(target: str, ready: str, tmp_path: Path, timeout: float = 180):
-    """Start `make <target>` in a session of its own; the line starting with `ready` that it prints once up."""
+    """Start `make <target>` (`<kind>-up`: skipped where tests/services.py says that kind is missing) in a
+    session of its own; the line starting with `ready` that it prints once up."""
+    from tests import services
+
+    reason = services.missing(target.removesuffix("-up"))
+    if reason:
+        pytest.skip(reason)
     log = tmp_path / f"{target}.log"
     out = log.open("w")
     proc = subprocess.Popen(
@@ -142,47 +148,34 @@ def ctrl_c(proc: subprocess.Popen, log: Path, folder: Path) -> None:
     group = proc.pid
     os.killpg(group, signal.SIGINT)
     assert proc.wait(timeout=120) in (0, -signal.SIGINT), log.read_text()[-3000:]
+    in_group = lambda entry: int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == group  # noqa: E731
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(running(pid) for pid in group_members(group)):
+    while time.monotonic() < deadline and processes(in_group):
         time.sleep(0.2)
-    assert not [pid for pid in group_members(group) if running(pid)], log.read_text()[-3000:]
+    assert not processes(in_group), log.read_text()[-3000:]
     assert not serving(folder), log.read_text()[-3000:]
     assert not folder.exists() and f"stopped, {folder} removed" in log.read_text()
 
 
-def serving(folder: Path) -> list[int]:
-    """The processes whose command line names `folder`."""
+def processes(where) -> list[int]:
+    """The live processes whose /proc entry `where` accepts."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and str(folder).encode() in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and where(entry):
                 found.append(int(entry.name))
-        except OSError:
+        except (OSError, ValueError):
             continue
     return [pid for pid in found if running(pid)]
 
 
-def group_members(group: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if (
-                entry.name.isdigit()
-                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == group
-            ):
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
+def serving(folder: Path) -> list[int]:
+    """The processes whose command line names `folder`."""
+    return processes(lambda entry: str(folder).encode() in (entry / "cmdline").read_bytes())
 
 
 @pytest.mark.slow  # about 10 s
 def test_make_postgres_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
-    from tests import services
-
-    reason = services.missing("postgres")
-    if reason:
-        pytest.skip(reason)
     proc, line, log = serve_until_ctrl_c("postgres-up", "PostgreSQL up in ", tmp_path)
     uri = line.split("store: ", 1)[1].strip()
     import sqlalchemy
@@ -196,11 +189,6 @@ def test_make_postgres_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
 
 @pytest.mark.slow  # about 20 s
 def test_make_slurm_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
-    from tests import services
-
-    reason = services.missing("slurm")
-    if reason:
-        pytest.skip(reason)
     proc, _, log = serve_until_ctrl_c("slurm-up", "SLURM node ", tmp_path)
     conf = next(line for line in log.read_text().splitlines() if "export SLURM_CONF=" in line)
     conf = conf.split("export SLURM_CONF=", 1)[1].strip()
