@@ -114,7 +114,8 @@ def pipeline_job(s: Settings, backend: str, seed: int, work: Path, kept: bool = 
 
 def sweep_overheads(s: Settings, backend: str, rep: int, work: Path) -> list[float]:
     """(b) inside a sweep: a sweep of `s.sweep_points` jobs (as (b)'s single run, other seeds); for each job
-    after the first, its run's time from opening to its job process's end, less its training loop (s)."""
+    after the first, its run's time from opening to its job process's end, less its training loop and its
+    evaluations (s)."""
     from mlflow import MlflowClient
 
     name = f"sweep-{backend}-{rep}"
@@ -132,7 +133,10 @@ def sweep_overheads(s: Settings, backend: str, rep: int, work: Path) -> list[flo
     ]
     runs.sort(key=lambda r: r.info.start_time)
     return [
-        (r.info.end_time - r.info.start_time) / 1000 - r.data.metrics["train_runtime_s"] for r in runs[1:]
+        (r.info.end_time - r.info.start_time) / 1000
+        - r.data.metrics["train_runtime_s"]
+        - r.data.metrics["eval_runtime_s"]
+        for r in runs[1:]
     ]
 
 

@@ -295,6 +295,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         "peak_rss_mb": peak_rss_mb(),  # (read last: the process's high-water mark, the plan's simulation in it)
         "train_loss_final": out.losses[-1],
         **speed,
+        **({"eval_runtime_s": out.eval_runtime_s} if out.eval_metrics or out.val_metrics else {}),
         "train_tokens": tokens,
         "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks.records),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},

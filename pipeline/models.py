@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -23,6 +24,16 @@ def packaged_path(package: str) -> Path:
 _FELL_BACK: set[str] = set()  # the models whose tokenizer this process replaced, said once each
 
 
+@functools.cache
+def packaged_tokenizer(package: str):
+    """The tokenizer a package carries, read once per process. The job starter reads MiniLM's (the default
+    model's and tiny's, and the fallback) before it forks (pipeline.preload): a sweep's jobs find it read. A
+    job is a process of its own, so what one does to it reaches no other."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(packaged_path(package))
+
+
 def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
     """The model's tokenizer: packaged, from the hub (pretrained), or from the local cache. A random-weight model
     (or any model with `local_only`: a plan, which needs only the batch's tensor names) asks no network: where
@@ -30,7 +41,7 @@ def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
     from transformers import AutoTokenizer
 
     if model_cfg.package:
-        tokenizer = AutoTokenizer.from_pretrained(packaged_path(model_cfg.package))
+        tokenizer = packaged_tokenizer(model_cfg.package)
     else:
         offline = local_only or not model_cfg.pretrained
         try:
@@ -45,7 +56,7 @@ def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
                     model_cfg.hub_id,
                     "a plan needs only its tensor names" if local_only else "random weights anyway",
                 )
-            tokenizer = AutoTokenizer.from_pretrained(packaged_path(FALLBACK_TOKENIZER_PACKAGE))
+            tokenizer = packaged_tokenizer(FALLBACK_TOKENIZER_PACKAGE)
     if tokenizer.pad_token is None:  # GPT-2 has none; batches need one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -1,7 +1,7 @@
 """What the job starter (pipeline.starter) imports once, so that no job process imports it again: the console's
 filters first (the starter's environment carries the console's level), then the libraries, the modelling code
-of the default model's family (BERT: MiniLM and tiny; a job of another family imports its own) and the job's own
-modules.
+of the default model's family (BERT: MiniLM and tiny; a job of another family imports its own), the job's own
+modules and MiniLM's tokenizer.
 
 Nothing here may initialise CUDA (a process forked after that cannot use it). On a CUDA build two imports would:
 - bitsandbytes reads every device's compute capability: it is left to the jobs that use it. transformers'
@@ -16,6 +16,10 @@ Nothing here may initialise CUDA (a process forked after that cannot use it). On
   answers are cleared, and a job that uses it (the torchao optimizers) imports it itself, after the fork. What
   the starter leaves out with it: transformers' loading of torchao-quantized checkpoints, which no job here
   uses.
+
+One more is hidden for time alone: scipy (0.4 s of the starter's 4 s here), which transformers' loss functions
+import for object detection's matching (`linear_sum_assignment`) and nothing a job runs uses. transformers asks
+for it each time (`is_scipy_available` keeps no answer), so a job that uses scipy imports it itself.
 tests/test_starter.py checks every import below on a simulated CUDA build."""
 
 import gc
@@ -25,7 +29,8 @@ from pipeline import quiet
 
 quiet.install()
 
-HIDDEN = ("torchao", "bitsandbytes")  # whose imports touch the device on a CUDA build (see above)
+# whose imports touch the device on a CUDA build, and scipy, which costs time alone (see above)
+HIDDEN = ("torchao", "bitsandbytes", "scipy")
 
 import torch  # noqa: E402, F401
 
@@ -54,6 +59,9 @@ finally:
 
         peft_imports.is_bnb_4bit_available.cache_clear()
         peft_imports.is_torchao_available.cache_clear()
+
+# MiniLM's tokenizer (the default model's and tiny's), read once for every job the starter forks
+models.packaged_tokenizer(models.FALLBACK_TOKENIZER_PACKAGE)
 
 # Everything imported so far stays for the starter's life: moved out of the collector's reach, a job's
 # `gc.collect()` (accelerate's clear_device_cache, which the Trainer calls) no longer walks it, nor writes to

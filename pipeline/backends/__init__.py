@@ -31,6 +31,7 @@ class TrainOutput:
     # wrapper, FSDP, leaves each rank's parameters holding its shard only). None: the model is counted after
     num_params: int | None = None
     flops: tuple[int, int] | None = None
+    eval_runtime_s: float = 0.0  # wall time of the evaluations after training (test and validation splits)
 
 
 class NonFiniteLoss(FloatingPointError):

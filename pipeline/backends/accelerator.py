@@ -200,17 +200,23 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         losses.read()  # the steps since the last reading (the loop's time includes the device's last step)
         runtime = time.perf_counter() - start
 
+    start = time.perf_counter()
+    eval_metrics = evaluation(accelerator, model, optimizer, eval_loader, spec, splits) if evaluate else {}
+    val_metrics = (
+        evaluation(accelerator, model, optimizer, val_loader, spec, splits, "val")
+        if evaluate and val_loader is not None
+        else {}
+    )
     return TrainOutput(
         optimizer=distributed.local_optimizer(optimizer.optimizer),  # unwrap AcceleratedOptimizer (and ZeRO)
         losses=losses.values,
-        eval_metrics=evaluation(accelerator, model, optimizer, eval_loader, spec, splits) if evaluate else {},
+        eval_metrics=eval_metrics,
         train_runtime_s=runtime,
         peak=peak,
         device=str(accelerator.device),
-        val_metrics=evaluation(accelerator, model, optimizer, val_loader, spec, splits, "val")
-        if evaluate and val_loader is not None
-        else {},
+        val_metrics=val_metrics,
         val_series=val_series,
         num_params=num_params,
         flops=flops,
+        eval_runtime_s=time.perf_counter() - start,
     )

@@ -226,16 +226,20 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
+    start = time.perf_counter()
+    eval_metrics = evaluated(splits.eval, "eval") if evaluate else {}
+    val_metrics = evaluated(splits.val, "val") if evaluate and splits.val is not None else {}
     return TrainOutput(
         optimizer=optimizer,
         losses=step_losses.values,
-        eval_metrics=evaluated(splits.eval, "eval") if evaluate else {},
+        eval_metrics=eval_metrics,
         # (the Trainer's eval-time spent inside train() is taken out of the throughput by the StepTimer)
         train_runtime_s=runtime,
         peak=peak,
         device=str(args.device),
-        val_metrics=evaluated(splits.val, "val") if evaluate and splits.val is not None else {},
+        val_metrics=val_metrics,
         val_series=val_series,
         num_params=num_params,
         flops=flops,
+        eval_runtime_s=time.perf_counter() - start,
     )
