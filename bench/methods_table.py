@@ -4,8 +4,9 @@ AdamW, 8-bit AdamW, Adafactor, GaLore and APOLLO, and LoRA and QLoRA adapters wi
 - measured: one real sweep (two commands: the five optimizers, then peft=lora,qlora with AdamW) of short jobs on
   DistilBERT with random weights, on this machine, into its own outputs_dir; the figures are read back from its
   MLflow runs (pipeline.report);
-- planned: the same seven ways for Llama-3.1-8B in bf16 on an RTX 4090 (`plan=true`, two commands likewise): the
-  predicted peak, whether batch 16 fits, the largest batch, and each command's verdict line.
+- planned: the same seven ways for Llama-3.1-8B as a language model in bf16 (with adapters the recipe peft runs:
+  a bf16 frozen base, fp32 adapters) on an RTX 4090 (`plan=true`, two commands likewise): the predicted peak,
+  whether one sequence of 512 tokens fits, the largest batch, and each command's verdict line.
 
     python -m bench.methods_table             # both, then the page (a rerun trains only the points not FINISHED)
     python -m bench.methods_table --steps 5 --outputs-dir /tmp/methods --out /tmp/methods.md
@@ -45,7 +46,16 @@ MEASURED = [
     "data.max_val_samples=100",
     "data.max_eval_samples=200",
 ]
-PLANNED = ["plan=true", "model=llama-3.1-8b", "train.precision=bf16", "device_memory=rtx-4090", "force=true"]
+PLANNED = [
+    "plan=true",
+    "task=causal_lm",
+    "model=llama-3.1-8b",
+    "train.precision=bf16",
+    "batch_size=1",
+    "train.max_length=512",
+    "device_memory=rtx-4090",
+    "force=true",
+]
 PARENT = re.compile(r"parent run ([0-9a-f]{32})")
 
 
@@ -156,6 +166,7 @@ def planned_rows(jobs) -> list[dict]:
                 "method": value(run, "method") or "",
                 "optimizer": optim,
                 "trainable params": value(run, "model_trainable_params") or value(run, "model_num_params"),
+                "base / trained dtype": f"{value(run, 'base_dtype') or '-'} / {value(run, 'trainable_dtype') or ''}",
                 "optimizer state [MB]": value(run, "estimated_optimizer_state_mb"),
                 "planned peak [MB]": value(run, "predicted_peak_mb"),
                 "weights at peak [MB]": value(run, "predicted_peak_params_mb"),
@@ -179,7 +190,8 @@ def table(rows: list[dict], digits: dict[str, int]) -> list[str]:
     header = [
         k
         for k in rows[0]
-        if k in digits or k in ("way", "method", "optimizer", "status", "collapsed", "fits")
+        if k in digits
+        or k in ("way", "method", "optimizer", "status", "collapsed", "fits", "base / trained dtype")
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(fmt(r[k], digits.get(k, 0)) for k in header) + " |" for r in rows]
@@ -254,15 +266,19 @@ def page(measured, planned, verdicts, train_cmds, plan_cmds, times, steps: int) 
         *table(measured, measured_digits),
         "",
         "- **Planned** (no training, no GPU: a training step simulated on fake tensors, [plan.md](plan.md)): "
-        "Llama-3.1-8B as a classifier, bf16 mixed precision, batch 16 of 64 tokens (the defaults), against an "
-        "RTX 4090's 24 GB (22,376 MB usable), one GPU, the same seven ways:",
+        "Llama-3.1-8B as a language model (`task=causal_lm`: 8.03 B parameters, the 128,256-row LM head and its "
+        "logits), bf16 mixed precision (with adapters the recipe peft runs: the frozen base in bf16, the adapters "
+        "and their AdamW state in fp32, [config.md](config.md#peft-lora-and-qlora)), one sequence of 512 tokens, "
+        "against an RTX 4090's 24 GB (22,376 MB usable), one GPU, the same seven ways:",
         "",
         *[f"      {cmd}{' '.join(c)}" for c in plan_cmds],
         "",
         f"  ({times[1]:.0f} s wall.) *trainable params*: all of them for full fine-tuning; *optimizer state*: the "
         "exact analytic state (`estimated_optimizer_state_mb`); *weights at peak*: weights and buffers at the "
-        "predicted peak (QLoRA's 4-bit base in its packed bytes and constants); *fits*: batch 16 within the "
-        "budget; *largest batch*: the largest that fits (0: not even one sample). The commands' verdict lines:",
+        "predicted peak (QLoRA's 4-bit base in its packed bytes and constants); *base / trained dtype*: the frozen "
+        "base's weights and the trained ones (params `base_dtype`, `trainable_dtype`); *fits*: one sequence "
+        "within the budget; *largest batch*: the largest that fits (0: not even one sample). The commands' verdict "
+        "lines:",
         "",
         *[f"      {v}" for v in verdicts],
         "",

@@ -15,7 +15,7 @@ from pipeline import MB
 
 METHODS = ("none", "lora", "qlora")
 # the keys each method reads (every option of conf/peft has all of them, so that one sweep sets them for all)
-LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "save_adapter")
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "save_adapter", "base_dtype", "adapter_dtype")
 KEYS = {"none": (), "lora": LORA_KEYS, "qlora": (*LORA_KEYS, "quant_type", "double_quant", "compute_dtype")}
 ALL_LINEAR = "all-linear"  # peft's own: every Linear but the output layer
 QUANT_TYPES = ("nf4", "fp4")
@@ -44,6 +44,12 @@ HEADS = ("classifier", "score", "lm_head")
 BLOCK, NESTED_BLOCK, CODE, NESTED_CODE, FP32 = 64, 256, 16, 256, 4
 TASK_TYPES = {"classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+NAMES = {f"torch.{torch_name}": name for name, torch_name in DTYPES.items()}  # str(torch dtype) -> its name
+# peft.base_dtype, peft.adapter_dtype: `auto` or a dtype
+WEIGHT_DTYPES = ("auto", *DTYPES)
+# base_dtype=auto: the frozen base in the dtype each train.precision computes in (the 16-bit one under mixed
+# precision, as `from_pretrained(..., dtype=torch.bfloat16)` loads it)
+COMPUTE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "bf16_pure": "bf16"}
 
 
 def name(cfg) -> str:
@@ -71,7 +77,29 @@ def memory_settings(cfg) -> dict | None:
     from omegaconf import OmegaConf
 
     peft = used(OmegaConf.to_container(cfg.peft, resolve=True))
-    return {k: v for k, v in peft.items() if k not in NO_MEMORY}
+    settings = {k: v for k, v in peft.items() if k not in NO_MEMORY}
+    settings["base_dtype"], settings["adapter_dtype"] = dtypes(cfg)  # `auto` as the precision resolves it
+    return settings
+
+
+def dtypes(cfg) -> tuple[str, str]:
+    """(the frozen base's dtype, the trained weights' dtype) of a run with adapters, by name (fp32, bf16, fp16):
+    peft.base_dtype and peft.adapter_dtype, `auto` resolved. The recipe peft and the LoRA guides use: the base in
+    the precision's compute dtype (bf16 under bf16), the adapters (and a classifier's head) in fp32, so their
+    gradients and optimizer state are fp32 too; under bf16_pure both bf16."""
+    precision = str(cfg.train.precision)
+    base, trained = str(cfg.peft.get("base_dtype", "auto")), str(cfg.peft.get("adapter_dtype", "auto"))
+    if base == "auto":
+        base = COMPUTE[precision]
+    if trained == "auto":
+        trained = "bf16" if precision == "bf16_pure" else "fp32"
+    return base, trained
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 def method(cfg) -> str:
@@ -105,12 +133,21 @@ def targets_text(peft_cfg, found) -> str:
     return ",".join(sorted(found))
 
 
-def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quantized: bool = True):
+def apply(
+    model,
+    peft_cfg,
+    task: str,
+    model_type: str,
+    device: str = "cpu",
+    quantized: bool = True,
+    trained_dtype=None,
+):
     """The model a job trains under `peft_cfg`: itself (peft=none), or peft's model with LoRA adapters on the
     target modules and the rest frozen, for qlora over a base whose Linear layers (all but the head) are 4-bit,
     quantized on `device` (where the job trains: bitsandbytes quantizes as a weight moves to its device).
     `quantized=False`: qlora's adapters on a base left as it is (the same trainable parameters, e.g. on the meta
-    device, where nothing can be quantized)."""
+    device, where nothing can be quantized). `trained_dtype` (a torch dtype): every trainable parameter's, the
+    adapters' and a classifier's head's (dtypes); None: the base's."""
     if peft_cfg.name == "none":
         return model
     from peft import LoraConfig, get_peft_model
@@ -127,14 +164,30 @@ def apply(model, peft_cfg, task: str, model_type: str, device: str = "cpu", quan
         # GPT-2's Conv1D keeps its weight as (in, out); a 4-bit copy of it is a Linear's (out, in)
         fan_in_fan_out=model_type == "gpt2" and not quantized,
     )
-    # the adapters in the weights' dtype (peft would make them fp32 under bf16 weights): train.precision says
-    # what the trainable weights are, bf16 under bf16_pure. peft reads transformers' deprecated
-    # `is_gradient_checkpointing`, whose FutureWarning is peft's to act on, not the user's
+    # the adapters made in the base's dtype, then every trainable weight cast to `trained_dtype` (peft's own
+    # autocast_adapter_dtype casts the adapters, not the head's trainable copy). peft reads transformers'
+    # deprecated `is_gradient_checkpointing`, whose FutureWarning is peft's to act on, not the user's
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
         )
-        return get_peft_model(model, config, autocast_adapter_dtype=False)
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    if trained_dtype is not None:
+        cast_trained(model, trained_dtype)
+    return model
+
+
+def cast_trained(model, dtype) -> None:
+    """Every trainable parameter in `dtype`, module by module (`Module._apply`, as `Module.to` converts, which a
+    plan's fake tensors take too): the modules whose own parameters all train (the adapters' Linear layers, a
+    classifier's trainable head)."""
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(p.requires_grad for p in own) and any(p.dtype != dtype for p in own):
+            module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+    mixed = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != dtype]
+    if mixed:  # a module holding trainable and frozen weights of its own: none of the methods here makes one
+        raise ValueError(f"trainable parameters left out of {dtype}: {', '.join(mixed[:3])}")
 
 
 def compute_dtype(peft_cfg, weights_dtype):
@@ -308,3 +361,18 @@ def figures(cfg, model) -> tuple[dict, dict]:
         "trainable_params": count,
     }
     return metrics, params
+
+
+def held_dtypes(model) -> dict[str, str]:
+    """What a model trained in, read off its parameters: `trainable_dtype`, and for a frozen base (adapters)
+    `base_dtype`, its floating weights' (not a 4-bit base's packed bytes); several dtypes comma-separated."""
+
+    def names(params) -> str:
+        return ",".join(sorted({NAMES.get(str(p.dtype), str(p.dtype)) for p in params}))
+
+    held = {id(p): p for p in model.parameters()}.values()
+    found = {"trainable_dtype": names(p for p in held if p.requires_grad)}
+    frozen = [p for p in held if not p.requires_grad and p.is_floating_point() and not is_4bit(p)]
+    if frozen:
+        found["base_dtype"] = names(frozen)
+    return found

@@ -267,6 +267,8 @@ def _check_peft(cfg: DictConfig) -> None:
     _check(cfg, "peft.alpha", _positive_number, "must be a number > 0")
     _check(cfg, "peft.dropout", lambda v: isinstance(v, Real) and 0 <= v < 1, "must be in [0, 1)")
     _check_boolean(cfg, "peft.save_adapter")
+    for key in ("peft.base_dtype", "peft.adapter_dtype"):
+        _check_choice(cfg, key, adapters.WEIGHT_DTYPES)
     _check(
         cfg,
         "peft.target_modules",

@@ -37,14 +37,21 @@ def load(cfg: DictConfig):
     tokenizer = models.load_tokenizer(cfg.model)
     # where the job trains: random weights are made there, qlora's 4-bit base is quantized there
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    # bf16_pure: bf16 weights, no fp32 master copy (the optimizer's state follows their dtype)
+    # bf16_pure: bf16 weights, no fp32 master copy (the optimizer's state follows their dtype); with adapters the
+    # frozen base in peft.base_dtype (the compute dtype: bf16 under bf16) and the trained weights in
+    # peft.adapter_dtype (fp32)
     dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
+    trained = None
+    if cfg.peft.name != "none":
+        dtype, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
     model = models.load_model(cfg.model, len(labels), labels, cfg.task.name, device, dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     if dtype is not None:  # pretrained weights come in their checkpoint's dtype
         model.to(dtype)
     if cfg.peft.name != "none":  # adapters on the frozen base
-        model = adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, device)
+        model = adapters.apply(
+            model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
+        )
     splits = data.tokenize(
         splits, tokenizer, cfg.train.max_length, models.vocab_size(model), cfg.task.name, cfg.train.packing
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -54,41 +55,55 @@ def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     return choice.spec.estimate(infos, cfg, choice.variant, model.config)
 
 
-def model_flops(model) -> tuple[int, int]:
+class ModelFlops(NamedTuple):
+    """What a training token costs (flops_per_token): N, L x H x Q, and the trained part of N."""
+
+    non_embedding: int  # N: every parameter but the embedding tables' (looked up, not multiplied)
+    attention: int  # L x H x Q: layers x query heads x head size
+    trained: (
+        int  # the parameters of N that train (all of N in full fine-tuning; adapters and a head with peft)
+    )
+
+
+def model_flops(model) -> ModelFlops:
     """What a training token costs, by the usual definition (Kaplan et al. 2020, eq. 2.2; PaLM, Chowdhery et
-    al. 2022, appendix B; nanoGPT's `estimate_mfu`): (N, L x H x Q) for FLOPs per token = 6 N + 12 L H Q T.
-    N: the non-embedding parameters (every parameter but those of the embedding tables, which a token looks
-    up rather than multiplies: word, position and token-type embeddings), 6 = 2 forward + 4 backward FLOPs per
-    parameter; L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their weighted
-    sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T positions."""
+    al. 2022, appendix B; nanoGPT's `estimate_mfu`), counted as the step does it: (N, L x H x Q, N trained) for
+    FLOPs per token = 4 N + 2 N_trained + 12 L H Q T (flops_per_token). N: the non-embedding parameters (every
+    parameter but those of the embedding tables, which a token looks up rather than multiplies: word, position
+    and token-type embeddings); 2 FLOPs per parameter forward, 2 backward for the activations' gradients, 2 more
+    for the weights' gradients of those that train, so 6 N in full fine-tuning and 4 N + 2 N_trained over a
+    frozen base (adapters); L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their
+    weighted sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T
+    positions."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    distinct = {id(p): p for p in model.parameters()}.values()
-    n = sum(adapters.weights(p) for p in distinct if id(p) not in embeddings)
+    distinct = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in embeddings]
     config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return n, config.num_hidden_layers * heads * head_dim
+    return ModelFlops(
+        sum(adapters.weights(p) for p in distinct),
+        config.num_hidden_layers * heads * head_dim,
+        sum(adapters.weights(p) for p in distinct if p.requires_grad),
+    )
 
 
-def model_size(model) -> tuple[int, tuple[int, int]]:
+def model_size(model) -> tuple[int, ModelFlops]:
     """(parameters, model_flops) of the whole model; a backend counts them before any wrapper (FSDP) shards
     it, after which each rank's parameters hold its shard only (TrainOutput.num_params, .flops). A 4-bit weight
     (peft=qlora) counts the weights it holds, two a byte."""
     return sum(adapters.weights(p) for p in model.parameters()), model_flops(model)
 
 
-def flops_per_token(flops: tuple[int, int], positions: float) -> float:
-    """6 N + 12 L H Q T (model_flops) at T = `positions`, the mean padded sequence length."""
-    non_embedding, attention = flops
-    return 6 * non_embedding + 12 * attention * positions
+def flops_per_token(flops: ModelFlops, positions: float) -> float:
+    """4 N + 2 N_trained + 12 L H Q T (model_flops) at T = `positions`, the mean padded sequence length: 6 N +
+    12 L H Q T in full fine-tuning."""
+    return 4 * flops.non_embedding + 2 * flops.trained + 12 * flops.attention * positions
 
 
-def throughput(
-    cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops: tuple[int, int], device: str
-):
+def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops: ModelFlops, device: str):
     """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (after the warm-up), the
     warm-up's own time, or the whole loop's figures when too few steps ran for a steady window. `flops`:
-    model_flops' (N, L H Q)."""
+    model_flops'."""
     world = len(ranks)
     warmup = warmup_steps(cfg)
     window = timer.window(warmup)
@@ -341,6 +356,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "optim_variant": choice.variant or "plain",
             "optim_settings": settings,
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
+            **adapters.held_dtypes(model),  # what trained: trainable_dtype, and a frozen base's base_dtype
             **peft_params,
         },
         "tags": tags,

@@ -90,14 +90,20 @@ def _fake_model(
     times); with `peft` (adapters.memory_settings as JSON), wrapped in its adapters as a job wraps it."""
     from transformers import AutoConfig
 
+    from pipeline import adapters
     from pipeline.models import auto_class
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     mode = fake_mode()
     kwargs = {"attn_implementation": attn} if attn else {}
-    if precision == "bf16_pure":  # bf16 weights, no fp32 copy (built so: fake tensors cannot be cast)
-        kwargs["dtype"] = torch.bfloat16
+    # bf16 weights under bf16_pure, no fp32 copy; with adapters the base in its own dtype (adapters.dtypes,
+    # resolved in `peft`): built so, as fake tensors cannot be cast
+    base = (
+        json.loads(peft)["base_dtype"] if peft is not None else "bf16" if precision == "bf16_pure" else "fp32"
+    )
+    if base != "fp32":
+        kwargs["dtype"] = adapters.torch_dtype(base)
     with mode:
         model = auto_class(task).from_config(config, **kwargs)
         if peft is not None:
@@ -123,7 +129,8 @@ def _with_adapters(model, settings: dict, task: str):
 
     settings = OmegaConf.create({"alpha": settings["r"], **settings})
     with _assigned_conversions(), _cloned_copies():
-        model = adapters.apply(model, settings, task, model.config.model_type)
+        trained = adapters.torch_dtype(settings.adapter_dtype)
+        model = adapters.apply(model, settings, task, model.config.model_type, trained_dtype=trained)
     for layer in model.modules():
         bias, dtype = getattr(layer, "bias", None), getattr(layer, "compute_dtype", None)
         if adapters.is_4bit(getattr(layer, "weight", None)) and bias is not None and dtype is not None:

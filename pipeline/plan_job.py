@@ -139,6 +139,7 @@ def plan_result(cfg) -> dict:
         "params": {
             "device": f"cuda: {cfg.device_memory or 'this machine'} (planned)" if cuda else "cpu (planned)",
             "device_memory": cfg.device_memory,
+            **adapters.held_dtypes(model),  # what it planned: trainable_dtype, and a frozen base's base_dtype
         },
         "tags": {
             "mode": "plan",

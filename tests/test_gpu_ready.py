@@ -151,7 +151,7 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     timer = StepTimer(torch.nn.Linear(1, 1))
     timer.starts_s = [0.0, 5.0, 6.0, 7.0, 7.5, 8.0, 8.5, 9.0]  # a slow first steps (compilation, tracker)
     ranks = [{"tokens": 800, "window_tokens": 400, "padded_tokens": 1000, "window_padded_tokens": 480}]
-    flops = (10, 3)  # N = 10 non-embedding parameters, L H Q = 3
+    flops = measurements.ModelFlops(10, 3, 10)  # N = 10 non-embedding parameters, all trained; L H Q = 3
     metrics, tags = measurements.throughput(cfg, timer, runtime_s=9.5, ranks=ranks, flops=flops, device="cpu")
     assert measurements.warmup_steps(cfg) == 3
     # steps 4-7: from the start of step 4 (7.0 s) to the start of step 8 (9.0 s)

@@ -312,3 +312,73 @@ def test_a_qlora_jobs_largest_batch_search_records_the_plans_answer_beside_it(tm
     (run,) = [r for r in store(tmp_path).search_runs(["1"]) if "max_batch_size" in r.data.metrics]
     measured, planned = run.data.metrics["max_batch_size"], run.data.metrics["predicted_max_batch_size"]
     assert measured > 0 and abs(planned - measured) <= max(1, 0.05 * measured), (measured, planned)
+
+
+@pytest.mark.parametrize(
+    ("precision", "overrides", "base", "trained"),
+    [
+        ("fp32", [], "fp32", "fp32"),
+        ("bf16", [], "bf16", "fp32"),  # the recipe: a bf16 base, fp32 adapters
+        ("fp16", [], "fp16", "fp32"),
+        ("bf16_pure", [], "bf16", "bf16"),
+        ("bf16", ["peft.base_dtype=fp32"], "fp32", "fp32"),  # an fp32 base under mixed precision
+        ("bf16", ["peft.adapter_dtype=bf16"], "bf16", "bf16"),
+    ],
+)
+def test_the_base_and_trained_dtypes_each_precision_resolves(precision, overrides, base, trained):
+    cfg = compose_cfg("peft=lora", f"train.precision={precision}", *overrides)
+    assert adapters.dtypes(cfg) == (base, trained)
+    settings = adapters.memory_settings(cfg)  # a plan's key holds them resolved
+    assert (settings["base_dtype"], settings["adapter_dtype"]) == (base, trained)
+
+
+def test_a_weight_dtype_not_known_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("model=tiny", "peft=lora", "peft.base_dtype=int8"))
+    assert str(err.value).startswith("peft.base_dtype='int8' is invalid:")
+    assert "auto" in str(err.value) and "bf16" in str(err.value)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("backend", ["trainer", "accelerator"])
+@pytest.mark.parametrize("peft", ["lora", "qlora"])
+def test_under_bf16_the_trained_model_has_a_bf16_base_and_fp32_adapters_and_state(backend, peft, tmp_path):
+    """The recipe peft users run, read off the model each backend trained: the frozen base bf16 (QLoRA's
+    unquantized layers; its Linear layers 4-bit, computing in bf16), every trainable weight fp32, its gradient
+    and AdamW state fp32; the run's params say so."""
+    from pipeline import backends, data, job
+    from pipeline.timing import StepTimer
+    from tests.conftest import TINY
+
+    cfg = compose_cfg(
+        *TINY,
+        f"peft={peft}",
+        f"backend={backend}",
+        "train.precision=bf16",
+        "train.max_steps=2",
+        f"outputs_dir={tmp_path}",
+    )
+    tokenizer, splits, model = job.load(cfg)
+    choice = optimizers.choose(cfg)
+    collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
+    with StepTimer(model) as timer:
+        out = backends.get(backend).train(cfg, model, splits, choice.spec, collate, tmp_path, evaluate=False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad and not adapters.is_4bit(p)]
+    assert trained and frozen
+    assert {p.dtype for p in trained} == {torch.float32}
+    assert {p.dtype for p in frozen} == {torch.bfloat16}
+    assert {p.grad.dtype for p in trained if p.grad is not None} <= {torch.float32}
+    state = [t for s in out.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    assert state and {t.dtype for t in state} == {torch.float32}
+    if peft == "qlora":
+        layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+        assert layers and {m.compute_dtype for m in layers} == {torch.bfloat16}
+    params = measurements_params(cfg, choice, model, splits, collate, out, timer, tmp_path)
+    assert (params["base_dtype"], params["trainable_dtype"]) == ("bf16", "fp32")
+
+
+def measurements_params(cfg, choice, model, splits, collate, out, timer, job_dir) -> dict:
+    from pipeline import measurements
+
+    return measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)["params"]

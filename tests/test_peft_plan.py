@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pipeline import adapters, models, optimizers, plan, plan_job
+from pipeline import MB, adapters, models, optimizers, plan, plan_job
 from pipeline.config import ConfigError, validate
 from tests.conftest import CONF, compose_cfg
 
@@ -22,13 +22,13 @@ def model_config(cfg):
 
 
 def job_model(cfg):
-    """The model a job trains under cfg (job.load: random weights, two labels, bf16 weights under bf16_pure)."""
+    """The model a job trains under cfg (job.load: random weights, two labels, the base in peft.base_dtype and
+    the trained weights in peft.adapter_dtype)."""
     torch.manual_seed(0)
-    model = models.load_model(cfg.model, 2, None, cfg.task.name)
+    base, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
+    model = models.load_model(cfg.model, 2, None, cfg.task.name).to(base)
     model.config.pad_token_id = 0
-    if cfg.train.precision == "bf16_pure":
-        model.to(torch.bfloat16)
-    return adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type)
+    return adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, trained_dtype=trained)
 
 
 def held_bytes(model) -> dict[str, int]:
@@ -51,6 +51,10 @@ def held_bytes(model) -> dict[str, int]:
         ),
         ("gpt2-tiny", ["peft=qlora", "peft.target_modules=all-linear"]),  # Conv1D layers, transposed
         ("distilbert-base-cased", ["peft=lora", "model.pretrained=false"]),  # pre_classifier trained in full
+        # the recipe under mixed bf16: a bf16 base (QLoRA's unquantized layers), fp32 adapters and head
+        ("distilbert-base-cased", ["peft=lora", "model.pretrained=false", "train.precision=bf16"]),
+        ("llama-tiny", ["peft=qlora", "task=causal_lm", "train.precision=bf16"]),
+        ("tiny", ["peft=lora", "train.precision=bf16", "peft.base_dtype=fp32"]),  # an fp32 base, as asked
     ],
 )
 def test_the_fake_model_is_the_jobs_adapters_on_the_jobs_base(model_name, overrides):
@@ -78,12 +82,19 @@ def test_the_fake_model_is_the_jobs_adapters_on_the_jobs_base(model_name, overri
 
 def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
     """Full fine-tuning's keys are as before the adapters existed (no peft entry, whatever the adapters' keys
-    say); a PEFT plan's hold the method, rank, targets, dropout and QLoRA's 4-bit settings, not alpha (a scale)
-    nor save_adapter."""
+    say); a PEFT plan's hold the method, rank, targets, dropout, the base's and the adapters' dtypes as the
+    precision resolves them and QLoRA's 4-bit settings, not alpha (a scale) nor save_adapter."""
     assert plan.peft_settings(compose_cfg()) is None
     assert plan.peft_settings(compose_cfg("peft.r=8", "peft.quant_type=fp4")) is None
     lora = json.loads(plan.peft_settings(compose_cfg("peft=lora")))
-    assert lora == {"name": "lora", "r": 16, "dropout": 0.05, "target_modules": None}
+    assert lora == {
+        "name": "lora",
+        "r": 16,
+        "dropout": 0.05,
+        "target_modules": None,
+        "base_dtype": "fp32",  # `auto` as fp32 precision resolves it
+        "adapter_dtype": "fp32",
+    }
     qlora = json.loads(plan.peft_settings(compose_cfg("peft=qlora")))
     assert qlora == {
         **lora,
@@ -95,7 +106,8 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
     key = plan.peft_settings
     same = key(compose_cfg("peft=lora", "peft.alpha=8", "peft.save_adapter=true"))
     assert same == key(compose_cfg("peft=lora"))
-    for changed in ("peft.r=8", "peft.dropout=0", "peft.target_modules=all-linear"):
+    changes = ("peft.r=8", "peft.dropout=0", "peft.target_modules=all-linear", "peft.base_dtype=bf16")
+    for changed in (*changes, "peft.adapter_dtype=bf16", "train.precision=bf16"):
         assert key(compose_cfg("peft=lora", changed)) != key(compose_cfg("peft=lora")), changed
     for changed in ("peft.quant_type=fp4", "peft.double_quant=false", "peft.compute_dtype=bf16"):
         assert key(compose_cfg("peft=qlora", changed)) != key(compose_cfg("peft=qlora")), changed
@@ -149,12 +161,17 @@ def run_job(tmp_path, model_name, peft, *overrides, steps=2):
     return cfg, job.run(cfg, job_dir)
 
 
-# CI's rows: each method, a classifier and a language model, fp32 and bf16, with and without checkpointing
+# CI's rows: each method, a classifier and a language model, fp32 and bf16 (the recipe: a bf16 base, fp32
+# adapters), with and without checkpointing
 CASES = [
     ("tiny", "qlora"),
     ("llama-tiny", "lora", "task=causal_lm", "train.precision=bf16", "train.gradient_checkpointing=true"),
     ("gpt2-tiny", "qlora", "train.precision=bf16"),
-    ("tiny", "qlora", "train.precision=bf16", "peft.compute_dtype=bf16"),
+    ("tiny", "qlora", "train.precision=bf16", "peft.compute_dtype=fp32"),
+    ("distilbert-base-cased", "lora", "model.pretrained=false", "train.precision=bf16"),
+    ("distilbert-base-cased", "qlora", "model.pretrained=false", "train.precision=bf16"),
+    ("llama-tiny", "lora", "task=causal_lm", "train.precision=bf16"),
+    ("llama-tiny", "qlora", "task=causal_lm", "train.precision=bf16"),
 ]
 
 
@@ -239,3 +256,43 @@ def test_an_8b_plan_says_which_method_fits_a_24_gb_gpu():
         found["qlora"]["model_num_params"] == found["none"]["model_num_params"] + trainable
     )  # 4-bit: unpacked
     assert found["qlora"]["predicted_peak_params_mb"] < found["none"]["predicted_peak_params_mb"] / 3
+
+
+def test_an_8b_language_models_lora_plan_counts_a_bf16_base_and_fp32_adapters():
+    """Llama-3.1-8B as a language model with LoRA under mixed bf16 (the recipe): the base's weights at 2 bytes a
+    parameter (within 1%: the adapters' 4 bytes are the rest), the adapters' AdamW state at 8 bytes a trainable
+    parameter; the plan's params say what it planned."""
+    cfg = compose_cfg(
+        "plan=true",
+        "task=causal_lm",
+        "model=llama-3.1-8b",
+        "peft=lora",
+        "train.precision=bf16",
+        "device_memory=rtx-4090",
+    )
+    result = plan_job.plan_result(cfg)
+    m = result["metrics"]
+    trainable = m["model_trainable_params"]
+    assert trainable == 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024))  # q, k, v, o; the LM head frozen
+    base = m["model_num_params"] - trainable
+    assert base == 8_030_261_248
+    weights = m["predicted_peak_params_mb"] * MB
+    assert weights == pytest.approx(2 * base, rel=0.01)
+    assert weights == pytest.approx(2 * base + 4 * trainable, abs=MB)
+    assert m["estimated_optimizer_state_mb"] * MB == pytest.approx(8 * trainable, abs=MB)
+    assert (result["params"]["base_dtype"], result["params"]["trainable_dtype"]) == ("bf16", "fp32")
+
+
+def test_the_verdicts_levers_for_adapters_that_do_not_fit_name_a_4bit_base_not_bf16_weights():
+    """LoRA under mixed bf16 has its base in bf16 already: where it does not fit, the verdict offers QLoRA's
+    4-bit base, not bf16_pure's bf16 weights, which it offers for full fine-tuning."""
+    import pandas as pd
+
+    from pipeline.report.tables import levers
+
+    rows = pd.DataFrame(
+        [{"precision": "bf16", "checkpointing": "False", "method": m} for m in ("full", "lora r=16")]
+    )
+    lora, full = levers(rows, rows.iloc[[1]]), levers(rows, rows.iloc[[0]])
+    assert "peft=qlora (the frozen base's Linear layers in 4 bits" in lora and "bf16_pure" not in lora
+    assert "train.precision=bf16_pure" in full and "peft=qlora" not in full

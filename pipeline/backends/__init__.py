@@ -27,10 +27,10 @@ class TrainOutput:
     val_metrics: dict[str, float] = field(default_factory=dict)  # the validation split at the end, same keys
     # with eval.every_steps=N: each validation figure at steps N, 2N, ... before the last ({step: value})
     val_series: dict[str, dict[int, float]] = field(default_factory=dict)
-    # the whole model's size, counted before training: its parameters, and model_flops' (N, L H Q) (a sharding
+    # the whole model's size, counted before training: its parameters, and model_flops' (N, L H Q, N trained) (a sharding
     # wrapper, FSDP, leaves each rank's parameters holding its shard only). None: the model is counted after
     num_params: int | None = None
-    flops: tuple[int, int] | None = None
+    flops: tuple[int, int, int] | None = None
     eval_runtime_s: float = 0.0  # wall time of the evaluations after training (test and validation splits)
 
 

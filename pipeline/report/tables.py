@@ -505,16 +505,22 @@ def _left(row) -> str:
 
 def levers(rows: pd.DataFrame, short: pd.DataFrame) -> str:
     """The ways out the pipeline has for a planned setting whose rows `short` do not fit, less those it uses
-    already: checkpointing, bf16 weights, a smaller batch (where one fits), sharding over more GPUs."""
+    already: checkpointing, bf16 weights (full fine-tuning's), a 4-bit base (LoRA's), a smaller batch (where one
+    fits), sharding over more GPUs."""
     first = rows.iloc[0]
     largest = short.get("largest batch [samples]", pd.Series(dtype=float)).fillna(0)
     ways = []
     if str(first.get("checkpointing", "False")) != "True":
         ways.append("train.gradient_checkpointing=true (activations recomputed in backward)")
-    if first.get("precision", "fp32") != "bf16_pure":
+    methods = set(short[METHOD].astype(str)) if METHOD in short else {"full"}
+    if first.get("precision", "fp32") != "bf16_pure" and "full" in methods:
         ways.append(
             "train.precision=bf16_pure (bf16 weights, 2 bytes each: under mixed bf16 and fp32 they are fp32, 4)"
         )
+    if any(
+        m.startswith("lora") for m in methods
+    ):  # with adapters the base is 16-bit under mixed bf16 already
+        ways.append("peft=qlora (the frozen base's Linear layers in 4 bits, about half a byte a weight)")
     if len(largest) and largest.min() >= 1:
         ways.append(f"a smaller batch_size (up to {int(largest.min())} fits)")
     if first.get("sharding", "none") != "fsdp":
