@@ -57,7 +57,14 @@ def pytest_unconfigure(config):
 
 # the files of CI's longest tests (minutes each: the default sweep, the SLURM cluster's, the PostgreSQL server's,
 # the team server's), handed out first, longest first
-LONGEST_FIRST = ("test_default_run.py", "test_slurm.py", "test_postgres.py", "test_store.py")
+LONGEST_FIRST = (
+    "test_default_run.py",
+    "test_make_targets.py",
+    "test_slurm.py",
+    "test_postgres.py",
+    "test_store.py",
+    "test_gpu_lease.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
