@@ -17,7 +17,8 @@ as "timed out after N s"), and its figures are checked, each a named check of th
 
 Run only when named (`--only real_qlora,real_lora,real_full`; bench/gpu_lease.sh names them): Llama-3.1-8B with
 random weights, made on the GPU, trained as a language model at 1024 tokens for 2 steps at batch 1 and 2, with
-QLoRA, LoRA (bf16 weights) and full fine-tuning with 8-bit AdamW (bf16 weights): every job finishes, and each
+QLoRA and LoRA under mixed bf16 (the recipe: a bf16 base, fp32 adapters) and full fine-tuning with 8-bit AdamW
+(bf16 weights): every job finishes, and each
 one's peak is within REAL_GOAL_PCT of the plan for the GPU it ran on.
 
 The step time-outs on one GPU sum to less than 8 minutes with the script's own work (`one_gpu_budget_s`). The
@@ -157,8 +158,8 @@ STEPS = (
             ),
             (
                 "lora",
-                "LoRA + AdamW, bf16 weights",
-                {"peft": "lora", "optim": "adamw", "train.precision": "bf16_pure"},
+                "LoRA + AdamW, the recipe: bf16 base, fp32 adapters",
+                {"peft": "lora", "optim": "adamw", "train.precision": "bf16"},
             ),
             (
                 "full",
