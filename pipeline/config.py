@@ -269,6 +269,7 @@ def _check_peft(cfg: DictConfig) -> None:
     _check_boolean(cfg, "peft.save_adapter")
     for key in ("peft.base_dtype", "peft.adapter_dtype"):
         _check_choice(cfg, key, adapters.WEIGHT_DTYPES)
+    _check_weight_dtypes(cfg)
     _check(
         cfg,
         "peft.target_modules",
@@ -308,6 +309,31 @@ def _check_peft(cfg: DictConfig) -> None:
             "train.sharding=none or zero1)",
             ("plan", "peft.name", "train.sharding"),
         )
+
+
+def _check_weight_dtypes(cfg: DictConfig) -> None:
+    """Adapters' weights in dtypes the step can compute with: without autocast (fp32, bf16_pure) all in the one
+    dtype; under autocast fp32 or its 16-bit dtype (another one meets it in a layer: on CPU "mixed dtype"), the
+    trained weights fp32 under fp16, whose gradient scaler unscales fp32 gradients."""
+    precision = cfg.train.precision
+    compute = adapters.COMPUTE[precision]
+    base, trained = adapters.dtypes(cfg)
+    if precision in ("fp32", "bf16_pure"):
+        why, allowed = f"without autocast every weight computes in {compute}", {"base": (compute,)}
+        allowed["trained"] = allowed["base"]
+    else:
+        why = f"under autocast to {compute} the weights are fp32 or {compute}"
+        allowed = {"base": ("fp32", compute), "trained": ("fp32", compute)}
+        if precision == "fp16":
+            why += ", the trained ones fp32 (the gradient scaler unscales fp32 gradients)"
+            allowed["trained"] = ("fp32",)
+    for key, part, value in (("peft.base_dtype", "base", base), ("peft.adapter_dtype", "trained", trained)):
+        if value not in allowed[part]:
+            raise ConfigError(
+                f"{key}={value} is invalid with train.precision={precision}: {why}; allowed: "
+                f"{', '.join(('auto', *allowed[part]))}",
+                (key, "train.precision"),
+            )
 
 
 def _check_boolean(cfg: DictConfig, key: str) -> None:

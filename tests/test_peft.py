@@ -332,6 +332,37 @@ def test_the_base_and_trained_dtypes_each_precision_resolves(precision, override
     assert (settings["base_dtype"], settings["adapter_dtype"]) == (base, trained)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.precision=bf16", "peft.base_dtype=fp16"],
+            "peft.base_dtype=fp16 is invalid with train.precision=bf16: under autocast to bf16 the weights are "
+            "fp32 or bf16; allowed: auto, fp32, bf16",
+        ),
+        (
+            ["peft.base_dtype=bf16"],  # fp32: no autocast to meet a bf16 weight
+            "peft.base_dtype=bf16 is invalid with train.precision=fp32: without autocast every weight computes in "
+            "fp32; allowed: auto, fp32",
+        ),
+        (
+            ["train.precision=bf16_pure", "peft.adapter_dtype=fp32"],  # a bf16 input meets an fp32 head
+            "peft.adapter_dtype=fp32 is invalid with train.precision=bf16_pure: without autocast every weight "
+            "computes in bf16; allowed: auto, bf16",
+        ),
+    ],
+)
+def test_weight_dtypes_a_step_cannot_compute_with_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("model=tiny", "peft=lora", *overrides))
+    assert str(err.value) == message
+    for fine in (
+        ["train.precision=bf16", "peft.base_dtype=fp32"],
+        ["train.precision=bf16", "peft.adapter_dtype=bf16"],
+    ):
+        validate(compose_cfg("model=tiny", "peft=lora", *fine))
+
+
 def test_a_weight_dtype_not_known_is_one_line():
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg("model=tiny", "peft=lora", "peft.base_dtype=int8"))

@@ -49,7 +49,15 @@ COLUMNS = {
 }
 # the adapters' settings a method's name does not carry (params, PEFT runs only): a row's keys after the
 # method where a sweep varies them within one model (a full fine-tuning row leaves them empty)
-PEFT_SETTINGS = ["peft_alpha", "peft_dropout", "peft_targets", "peft_double_quant", "peft_compute_dtype"]
+PEFT_SETTINGS = [
+    "peft_alpha",
+    "peft_dropout",
+    "peft_targets",
+    "peft_base_dtype",
+    "peft_adapter_dtype",
+    "peft_double_quant",
+    "peft_compute_dtype",
+]
 # the columns of a report with PEFT runs (some method not full) only, before its state (label <- MLflow metric);
 # a full fine-tuning row's trainable count is its model's (`model_num_params`: every weight trains)
 PEFT_COLUMNS = {
@@ -71,6 +79,8 @@ KEY_LABELS = {
     "peft_alpha": "lora alpha",
     "peft_dropout": "lora dropout",
     "peft_targets": "lora targets",
+    "peft_base_dtype": "base dtype",
+    "peft_adapter_dtype": "adapter dtype",
     "peft_double_quant": "double quant",
     "peft_compute_dtype": "compute dtype",
 }
