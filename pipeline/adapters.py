@@ -191,10 +191,8 @@ def cast_trained(model, dtype) -> None:
 
 
 def compute_dtype(peft_cfg, weights_dtype):
-    import torch
-
     chosen = peft_cfg.get("compute_dtype")
-    return weights_dtype if chosen is None else getattr(torch, DTYPES[chosen])
+    return weights_dtype if chosen is None else torch_dtype(chosen)
 
 
 def quantize(model, peft_cfg, device: str) -> None:

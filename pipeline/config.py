@@ -319,19 +319,23 @@ def _check_weight_dtypes(cfg: DictConfig) -> None:
     compute = adapters.COMPUTE[precision]
     base, trained = adapters.dtypes(cfg)
     if precision in ("fp32", "bf16_pure"):
-        why, allowed = f"without autocast every weight computes in {compute}", {"base": (compute,)}
-        allowed["trained"] = allowed["base"]
+        why, base_ok = f"without autocast every weight computes in {compute}", (compute,)
     else:
-        why = f"under autocast to {compute} the weights are fp32 or {compute}"
-        allowed = {"base": ("fp32", compute), "trained": ("fp32", compute)}
-        if precision == "fp16":
-            why += ", the trained ones fp32 (the gradient scaler unscales fp32 gradients)"
-            allowed["trained"] = ("fp32",)
-    for key, part, value in (("peft.base_dtype", "base", base), ("peft.adapter_dtype", "trained", trained)):
-        if value not in allowed[part]:
+        why, base_ok = f"under autocast to {compute} the weights are fp32 or {compute}", ("fp32", compute)
+    trained_ok = base_ok
+    if precision == "fp16":
+        why, trained_ok = (
+            why + ", the trained ones fp32 (the gradient scaler unscales fp32 gradients)",
+            ("fp32",),
+        )
+    for key, value, allowed in (
+        ("peft.base_dtype", base, base_ok),
+        ("peft.adapter_dtype", trained, trained_ok),
+    ):
+        if value not in allowed:
             raise ConfigError(
                 f"{key}={value} is invalid with train.precision={precision}: {why}; allowed: "
-                f"{', '.join(('auto', *allowed[part]))}",
+                f"{', '.join(('auto', *allowed))}",
                 (key, "train.precision"),
             )
 

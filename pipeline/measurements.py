@@ -60,9 +60,7 @@ class ModelFlops(NamedTuple):
 
     non_embedding: int  # N: every parameter but the embedding tables' (looked up, not multiplied)
     attention: int  # L x H x Q: layers x query heads x head size
-    trained: (
-        int  # the parameters of N that train (all of N in full fine-tuning; adapters and a head with peft)
-    )
+    trained: int  # the part of N that trains: all of it in full fine-tuning, adapters (and a head) with peft
 
 
 def model_flops(model) -> ModelFlops:

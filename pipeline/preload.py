@@ -17,7 +17,7 @@ Nothing here may initialise CUDA (a process forked after that cannot use it). On
   the starter leaves out with it: transformers' loading of torchao-quantized checkpoints, which no job here
   uses.
 
-One more is hidden for time alone: scipy (0.4 s of the starter's 4 s here), which transformers' loss functions
+One more is hidden for time alone: scipy (0.2 s of the starter's 4 s here), which transformers' loss functions
 import for object detection's matching (`linear_sum_assignment`) and nothing a job runs uses. transformers asks
 for it each time (`is_scipy_available` keeps no answer), so a job that uses scipy imports it itself.
 tests/test_starter.py checks every import below on a simulated CUDA build."""

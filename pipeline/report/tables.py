@@ -517,9 +517,8 @@ def levers(rows: pd.DataFrame, short: pd.DataFrame) -> str:
         ways.append(
             "train.precision=bf16_pure (bf16 weights, 2 bytes each: under mixed bf16 and fp32 they are fp32, 4)"
         )
-    if any(
-        m.startswith("lora") for m in methods
-    ):  # with adapters the base is 16-bit under mixed bf16 already
+    # LoRA's base is 16-bit under mixed bf16 already: what is left to it is a 4-bit base
+    if any(m.startswith("lora") for m in methods):
         ways.append("peft=qlora (the frozen base's Linear layers in 4 bits, about half a byte a weight)")
     if len(largest) and largest.min() >= 1:
         ways.append(f"a smaller batch_size (up to {int(largest.min())} fits)")
