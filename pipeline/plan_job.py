@@ -5,11 +5,14 @@ the field's anchors."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from pipeline import cuda_reductions, plan, plan_ranks
+
+log = logging.getLogger(__name__)
 
 
 def budget_mb(cfg) -> float | None:
@@ -68,6 +71,46 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: flo
             metrics["predicted_max_batch_at_min_ranks"] = plan_ranks.largest_batch(
                 prediction, layout, sharding, n, budget, extra
             )
+    return metrics
+
+
+def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) -> dict[str, float]:
+    """What each lever that applies to a point that does not fit makes of it (pipeline.levers): its peak and
+    largest batch, the point planned again with it; a sharding's smallest number of ranks that fits and the
+    largest batch per rank there, from the point's own plan. A lever that cannot be planned is left out, said
+    in one line."""
+    from pipeline import levers, optimizers
+
+    extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
+    metrics = {}
+    # checkpointing shrinks the forward/backward pass only: where the peak falls in the optimizer step, it stays
+    in_pass = prediction["peak"] > prediction["step_peak"]
+    for name, overrides in levers.applicable(cfg, in_pass).items():
+        changed = levers.with_lever(cfg, overrides)
+        try:
+            spec = optimizers.spec_for(changed.optim)
+            again = plan.simulate(
+                config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
+            )
+            if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
+                shards = plan_ranks.Layout(
+                    again["model"], spec, changed, foreach=cuda, nccl_mb=layout.nccl_mb
+                )
+                found = rank_metrics(again, shards, changed, budget, extra)
+                peak, batch = found["predicted_peak_mb"], found["predicted_max_batch_size"]
+            else:
+                peak, batch = again["peak"], plan.largest_batch(again, budget, cuda)
+        except Exception as err:  # noqa: BLE001 (a lever the simulation cannot run: the plan goes on)
+            log.warning("plan: lever %s left out: %s: %s", name, type(err).__name__, err)
+            continue
+        metrics[f"lever_{name}_peak_mb"], metrics[f"lever_{name}_max_batch_size"] = peak, batch
+    shard = levers.sharding(cfg)
+    ranks = shard and plan_ranks.smallest_world(prediction, layout, shard, cfg.batch_size, budget, extra)
+    if ranks:
+        metrics[f"lever_{shard}_ranks"] = ranks
+        metrics[f"lever_{shard}_max_batch_size"] = plan_ranks.largest_batch(
+            prediction, layout, shard, ranks, budget, extra
+        )
     return metrics
 
 
@@ -132,6 +175,8 @@ def plan_result(cfg) -> dict:
         metrics |= rank_metrics(prediction, layout, cfg, budget, extra)
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
+        if not metrics["fits"]:
+            metrics |= lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout)
     metrics["plan_s"] = time.perf_counter() - start
     return {
         "metrics": metrics,

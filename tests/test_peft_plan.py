@@ -281,18 +281,3 @@ def test_an_8b_language_models_lora_plan_counts_a_bf16_base_and_fp32_adapters():
     assert weights == pytest.approx(2 * base + 4 * trainable, abs=MB)
     assert m["estimated_optimizer_state_mb"] * MB == pytest.approx(8 * trainable, abs=MB)
     assert (result["params"]["base_dtype"], result["params"]["trainable_dtype"]) == ("bf16", "fp32")
-
-
-def test_the_verdicts_levers_for_adapters_that_do_not_fit_name_a_4bit_base_not_bf16_weights():
-    """LoRA under mixed bf16 has its base in bf16 already: where it does not fit, the verdict offers QLoRA's
-    4-bit base, not bf16_pure's bf16 weights, which it offers for full fine-tuning."""
-    import pandas as pd
-
-    from pipeline.report.tables import levers
-
-    rows = pd.DataFrame(
-        [{"precision": "bf16", "checkpointing": "False", "method": m} for m in ("full", "lora r=16")]
-    )
-    lora, full = levers(rows, rows.iloc[[1]]), levers(rows, rows.iloc[[0]])
-    assert "peft=qlora (the frozen base's Linear layers in 4 bits" in lora and "bf16_pure" not in lora
-    assert "train.precision=bf16_pure" in full and "peft=qlora" not in full

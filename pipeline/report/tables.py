@@ -3,8 +3,11 @@ batches, and their text for people."""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
+from pipeline.levers import LEVERS, SMALLER_BATCH
 from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
@@ -409,6 +412,10 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         return pd.DataFrame()
     values = done[list(PLAN_COLUMNS.values())].astype(float).set_axis(list(PLAN_COLUMNS), axis=1)
     values["fits"] = values["fits"].map({1.0: "yes", 0.0: "no"})
+    levers = sorted(
+        c for c in plans if c.startswith("lever_")
+    )  # what each lever makes of a point: the verdict's
+    values[levers] = plans[levers].astype(float)
     keys = [
         k
         for k in PLAN_KEYS
@@ -503,28 +510,44 @@ def _left(row) -> str:
     return f"{_readable(mb)} MB, {pct:.1f}% left"
 
 
-def levers(rows: pd.DataFrame, short: pd.DataFrame) -> str:
-    """The ways out the pipeline has for a planned setting whose rows `short` do not fit, less those it uses
-    already: checkpointing, bf16 weights (full fine-tuning's), a 4-bit base (LoRA's), a smaller batch (where one
-    fits), sharding over more GPUs."""
-    first = rows.iloc[0]
-    largest = short.get("largest batch [samples]", pd.Series(dtype=float)).fillna(0)
-    ways = []
-    if str(first.get("checkpointing", "False")) != "True":
-        ways.append("train.gradient_checkpointing=true (activations recomputed in backward)")
-    methods = set(short[METHOD].astype(str)) if METHOD in short else {"full"}
-    if first.get("precision", "fp32") != "bf16_pure" and "full" in methods:
-        ways.append(
-            "train.precision=bf16_pure (bf16 weights, 2 bytes each: under mixed bf16 and fp32 they are fp32, 4)"
+def _lever_figure(row, name: str, what: str):
+    value = row.get(f"lever_{name}_{what}")
+    return None if value is None or pd.isna(value) else float(value)
+
+
+def lever_phrase(row) -> str:
+    """The levers that help a plan row that does not fit, as its plan weighed them (pipeline.levers): those
+    that fit (a smaller batch first, then by their peak, sharding last), each with its peak or the largest
+    batch it fits and its risk; then those that help but not alone, each with what it saves. A lever whose
+    peak is no lower is not named."""
+    peak, budget = row["predicted peak [MB]"], row["budget [MB]"]
+    fit, short = [], []
+    largest = row.get("largest batch [samples]")
+    if largest is not None and pd.notna(largest) and largest >= 1:
+        fit.append((-1.0, f"{SMALLER_BATCH.command.format(batch=int(largest))} ({SMALLER_BATCH.risk})"))
+    for name, lever in LEVERS.items():
+        ranks = _lever_figure(row, name, "ranks")
+        if ranks is not None:  # a sharding: the smallest number of GPUs that fits, and the batch there
+            n, batch = int(ranks), int(_lever_figure(row, name, "max_batch_size") or 0)
+            said = f"largest batch {batch}/GPU; {lever.risk.format(ranks=n)}"
+            fit.append((math.inf, f"{lever.command.format(ranks=n)} ({said})"))
+            continue
+        mb = _lever_figure(row, name, "peak_mb")
+        if mb is None or mb >= peak:
+            continue
+        if mb <= budget:
+            batch = int(_lever_figure(row, name, "max_batch_size") or 0)
+            fit.append((mb, f"{lever.command} ({_readable(mb)} MB, largest batch {batch}; {lever.risk})"))
+        else:
+            short.append(
+                f"{lever.command} (saves {_readable(peak - mb)} MB, short by {_readable(mb - budget)} MB)"
+            )
+    if not fit:
+        return (
+            f"no lever alone; these help: {'; '.join(short)}" if short else "no lever weighed lowers its peak"
         )
-    # LoRA's base is 16-bit under mixed bf16 already: what is left to it is a 4-bit base
-    if any(m.startswith("lora") for m in methods):
-        ways.append("peft=qlora (the frozen base's Linear layers in 4 bits, about half a byte a weight)")
-    if len(largest) and largest.min() >= 1:
-        ways.append(f"a smaller batch_size (up to {int(largest.min())} fits)")
-    if first.get("sharding", "none") != "fsdp":
-        ways.append("sharding over N GPUs (launcher.nproc_per_job=N train.sharding=fsdp, or zero1)")
-    return "; ".join(ways)
+    said = "; ".join(text for _, text in sorted(fit, key=lambda f: f[0]))
+    return said + (f". Not enough alone: {'; '.join(short)}" if short else "")
 
 
 def fit_verdict(plans: pd.DataFrame) -> list[str]:
@@ -559,8 +582,8 @@ def fit_verdict(plans: pd.DataFrame) -> list[str]:
         line = f"{lead}: {', '.join(sizes) or 'none'}" + (
             f"; does not fit: {', '.join(short)}" if short else ""
         )
-        if len(no):
-            line += f". To fit {'it' if len(no) == 1 else 'them'}: {levers(rows, no)}"
+        for _, row in no.iterrows():
+            line += f". To fit {_way(row)}: {lever_phrase(row)}"
         lines.append(line)
     return lines
 
@@ -641,4 +664,6 @@ def _readable(value) -> str:
 
 
 def plan_display(plans: pd.DataFrame) -> pd.DataFrame:
+    """A plan table as shown: its figures readable, without the levers' (the verdict says what they buy)."""
+    plans = plans.drop(columns=[c for c in plans if c.startswith("lever_")])
     return plans.map(lambda v: _readable(v) if isinstance(v, float) else v)

@@ -1,0 +1,110 @@
+"""The levers a plan weighs where a point does not fit its budget: each one a change of the config that the
+pipeline runs, what a user types for it, and what it risks. A plan job plans the point again with each lever
+that applies to it (`applicable`; pipeline.plan_job) and records what the lever makes of it as metrics
+`lever_<name>_peak_mb` and `lever_<name>_max_batch_size` (a sharding's `lever_<name>_ranks`, the smallest
+number of GPUs that fits, and the largest batch per GPU there). The plan's verdict (pipeline.report) names
+the levers that help, each with what it buys and its risk."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from omegaconf import OmegaConf, open_dict
+
+from pipeline import adapters
+
+
+class Lever(NamedTuple):
+    command: str  # what a user adds to the command; {ranks}: the smallest number of GPUs that fits
+    risk: str  # what it costs besides memory
+
+
+LEVERS = {
+    "checkpointing": Lever(
+        "train.gradient_checkpointing=true",
+        "about a third more compute a step: each layer's forward runs again in backward",
+    ),
+    "bf16": Lever(
+        "train.precision=bf16",
+        "no known cost to quality (the weights stay fp32); it needs a GPU with bf16 (Ampere or newer)",
+    ),
+    "base16": Lever(
+        "peft.base_dtype=auto",
+        "the frozen base computes in 16 bits, as the LoRA recipes of peft and LLaMA-Factory run it",
+    ),
+    "qlora": Lever(
+        "peft=qlora",
+        "the base's Linear weights in 4 bits (NF4): QLoRA matched 16-bit LoRA in its paper; slower steps",
+    ),
+    "bf16_pure": Lever(
+        "train.precision=bf16_pure",
+        "no fp32 master copy: bf16 weights and optimizer state round small updates away, a known risk to "
+        "training quality",
+    ),
+    "adamw_8bit": Lever(
+        "optim=adamw_8bit",
+        "8-bit block-wise state: it matched 32-bit AdamW in the bitsandbytes paper; its kernels need CUDA",
+    ),
+    "adafactor": Lever(
+        "optim=adafactor",
+        "a factored second moment and no momentum: it wants its own learning rate",
+    ),
+    "fsdp": Lever(
+        "backend=accelerator launcher.nproc_per_job={ranks} train.sharding=fsdp",
+        "{ranks} GPUs, and the all-gathers and reduce-scatters of every step between them",
+    ),
+    "zero1": Lever(
+        "backend=accelerator launcher.nproc_per_job={ranks} train.sharding=zero1",
+        "{ranks} GPUs, each holding 1/{ranks} of the optimizer state, and a broadcast of the weights each step",
+    ),
+}
+# a smaller batch needs no second plan: the plan's largest batch says it
+SMALLER_BATCH = Lever("batch_size={batch}", "fewer samples a step: a noisier gradient, more steps an epoch")
+OPTIMIZER_LEVERS = ("adamw_8bit", "adafactor")  # optim groups a lever swaps in (conf/optim/<name>.yaml)
+
+
+def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
+    """The levers a point's config does not use yet, each as the overrides (dotted keys) that apply it; an
+    optimizer lever's `optim` is its whole group. Checkpointing only where the peak falls in the forward and
+    backward pass (`peak_in_pass`): it changes nothing of the optimizer step. The shardings are not among them:
+    they need no second plan of the step (pipeline.plan_ranks counts the ranks)."""
+    from pipeline.config import CONF_DIR
+
+    precision, method = str(cfg.train.precision), adapters.name(cfg)
+    found: dict[str, dict] = {}
+    if peak_in_pass and not cfg.train.get("gradient_checkpointing", False):
+        found["checkpointing"] = {"train.gradient_checkpointing": True}
+    if precision == "fp32":
+        found["bf16"] = {"train.precision": "bf16"}
+    if method != "none" and precision in ("bf16", "fp16") and adapters.dtypes(cfg)[0] == "fp32":
+        found["base16"] = {"peft.base_dtype": "auto"}
+    if method == "lora":
+        found["qlora"] = {"peft.name": "qlora"}
+    if method == "none" and precision != "bf16_pure":
+        found["bf16_pure"] = {"train.precision": "bf16_pure"}
+    if cfg.get("custom_optim") is None:
+        for name in OPTIMIZER_LEVERS:
+            if cfg.optim.name != name:
+                found[name] = {"optim": OmegaConf.load(CONF_DIR / "optim" / f"{name}.yaml")}
+    return found
+
+
+def with_lever(cfg, overrides: dict):
+    """A copy of `cfg` with a lever's overrides applied."""
+    changed = cfg.copy()
+    with open_dict(changed):
+        for key, value in overrides.items():
+            OmegaConf.update(changed, key, value, merge=False)
+    return changed
+
+
+def sharding(cfg) -> str | None:
+    """The sharding lever for a point: FSDP for full fine-tuning with an optimizer of 1-D slices, else ZeRO-1
+    (a plan counts no flat shards of a frozen base, nor of a matrix optimizer's weights); None where the point
+    shards as much already."""
+    from pipeline.config import MATRIX_OPTIMIZERS
+
+    full = adapters.name(cfg) == "none" and not str(cfg.optim.name).startswith(MATRIX_OPTIMIZERS)
+    best = "fsdp" if full else "zero1"
+    order = ["none", "zero1", "zero2", "fsdp"]
+    return None if order.index(cfg.train.sharding) >= order.index(best) else best
