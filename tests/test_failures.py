@@ -333,6 +333,7 @@ def test_pipeline_record_ends_the_runs_a_killed_sweep_left_running_on_a_server(t
     server = start_mlflow_server(folder, port)
     try:
         killed = killed_outright(tmp_path, "tracking=server", f"tracking.uri={uri}")
+        assert sorted(r.info.status for r in all_runs(uri)) == ["FINISHED", "FINISHED", "RUNNING", "RUNNING"]
 
         def record() -> str:
             command = [sys.executable, "-m", "pipeline.record", str(killed)]
