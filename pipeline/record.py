@@ -1,7 +1,8 @@
 """`python -m pipeline.record FOLDER ...`: put into MLflow the outcomes that waited because the store did not
 answer when their job ended (pipeline.journal), each into the store, experiment and parent run it was meant
 for, and the results whose runner ended before it wrote their outcome down (a result.json with no run holding
-it); then close the parent runs of the sweeps that ended meanwhile. Running it again records nothing twice."""
+it); then close the parent runs of the sweeps that ended meanwhile, and end the runs a process left RUNNING as it
+died (pipeline.sweep.close_lost). Running it again records nothing twice."""
 
 from __future__ import annotations
 
@@ -62,11 +63,39 @@ def close_ended_sweeps(folder: Path) -> list[str]:
     return closed
 
 
+def close_lost_runs(folder: Path) -> list[str]:
+    """End the runs left RUNNING by a process that is gone (sweep.close_lost) in the experiments of the sweeps
+    and single runs under `folder`; the run ids ended."""
+    from omegaconf import OmegaConf
+
+    experiments = set()
+    for path in folder.glob(f"**/{sweep.SWEEP_FILE}"):
+        ids = sweep.sweep_ids(path.parent)
+        experiments.add((ids["tracking_uri"], ids["outputs_dir"], ids["experiment_id"]))
+    singles = set()  # (store, outputs_dir, experiment name) of the single runs' job folders
+    for path in folder.glob(f"**/{CONFIG_FILE}"):
+        if path.parent.name == ".hydra" or sweep.sweep_ids(path.parent.parent) is not None:
+            continue
+        cfg = OmegaConf.load(path)
+        if OmegaConf.select(cfg, "tracking.experiment") is not None:
+            uri = store_uri(cfg.tracking.uri, cfg.outputs_dir)
+            singles.add((uri, str(cfg.outputs_dir), cfg.tracking.experiment))
+    for uri, outputs_dir, name in singles:
+        experiment = Tracker.opened(uri, outputs_dir).client.get_experiment_by_name(name)
+        if experiment is not None:
+            experiments.add((uri, outputs_dir, experiment.experiment_id))
+    closed = []
+    for uri, outputs_dir, experiment_id in sorted(experiments):
+        closed += sweep.close_lost(Tracker.opened(uri, outputs_dir), experiment_id)
+    return closed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.record",
         description="Record the results that were trained while the MLflow store did not answer (they wait in "
-        f"{journal.UNRECORDED_FILE} in their job folders), and close their sweeps' parent runs. Idempotent.",
+        f"{journal.UNRECORDED_FILE} in their job folders), close their sweeps' parent runs, and end the runs "
+        "left RUNNING by a process that is gone (KILLED, failure_reason=lost). Idempotent.",
     )
     parser.add_argument(
         "folders",
@@ -83,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    recorded, closed = 0, 0
+    recorded, closed, lost = 0, 0, 0
     for folder in args.folders:
         done, left, why = journal.record_all(folder)
         if not left:
@@ -103,16 +132,23 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         try:
             closed += len(close_ended_sweeps(folder))
+            ended = close_lost_runs(folder)
         except Exception as err:  # the store went away again between the two
             print(
-                f"error: a sweep's parent run could not be closed ({journal.first_line(err)})",
+                f"error: a run could not be closed ({journal.first_line(err)})",
                 file=sys.stderr,
             )
             return 1
-    if not recorded and not closed:
+        lost += len(ended)
+        for run_id in ended:
+            print(f"[record] run {run_id} ended KILLED ({sweep.LOST}: its process is gone)")
+    if not recorded and not closed and not lost:
         print(f"[record] nothing waits to be recorded under {', '.join(map(str, args.folders))}")
     else:
-        print(f"[record] {recorded} results recorded, {closed} sweeps closed")
+        print(
+            f"[record] {recorded} results recorded, {closed} sweeps closed"
+            + (f", {lost} runs left RUNNING by a process that is gone ended KILLED" if lost else "")
+        )
     return 0
 
 

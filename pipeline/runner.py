@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import adapters, learning_rate
+from pipeline import adapters, learning_rate, liveness
 from pipeline.config import ConfigError, validate
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 from pipeline.optimizers import ADDED_SETTINGS
@@ -534,6 +534,7 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
         "overrides": " ".join(hydra_cfg.overrides.task),
         "config_hash": point,
         **({"replaces": done.info.run_id} if done is not None else {}),
+        **liveness.process_tags(),  # a later sweep ends it if this process goes without ending it
         **(scheduler_tags(cfg)),
     }
     start, run_id = early[0] if early else journal.now_ms(), None

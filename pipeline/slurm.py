@@ -7,7 +7,8 @@
 - submitit's "Bypassing sacct error" warnings, printed on every status poll where SLURM's accounting is off,
   kept off a quiet console (shown with log_level=info);
 - inside a job: its SLURM ids (tags of its run), and how SLURM ended it when the job process was stopped
-  (cancelled, requeued, its time limit).
+  (cancelled, requeued, its time limit);
+- whether squeue still lists a run's job (pipeline.liveness).
 
 It imports nothing of ours.
 """
@@ -221,6 +222,24 @@ def job_tags() -> dict[str, str]:
         **({"slurm_array_job_id": array, "slurm_array_task_id": task} if array and task else {}),
         "slurm_node": env.get("SLURMD_NODENAME") or env.get("SLURM_NODELIST", ""),
     }
+
+
+def listed(jobs: list[str]) -> set[str] | None:
+    """Those of the SLURM jobs `jobs` (`12`, an array task `12_3`) that squeue still lists (pending, running,
+    completing); None where SLURM cannot be asked (no squeue, no controller)."""
+    try:
+        done = subprocess.run(
+            ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(jobs)],
+            capture_output=True,
+            text=True,
+            timeout=10,  # a controller that answers takes well under a second
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode == 0:
+        return set(done.stdout.split()) & set(jobs)
+    # asked for one job it no longer holds, squeue answers with an error
+    return set() if "Invalid job id" in done.stderr else None
 
 
 def restarts() -> int:

@@ -1,6 +1,6 @@
 """A sweep's life: its MLflow parent run (opened before the first job, closed after the last by a Hydra
-callback), the jobs' outcomes, the summary lines and exit code, the report at the end, and the runs marked
-KILLED on Ctrl-C / SIGTERM.
+callback), the jobs' outcomes, the summary lines and exit code, the report at the end, the runs marked
+KILLED on Ctrl-C / SIGTERM, and those an earlier process left RUNNING as it died (lost).
 
 Only the launching process creates things (the sqlite schema, the experiment, the parent run), before any
 job starts; jobs find their ids in SWEEP_FILE in the sweep folder, so parallel jobs never race on creation.
@@ -20,10 +20,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import LABELS_IGNORED, browse, journal, runner, starter
+from pipeline import LABELS_IGNORED, browse, journal, liveness, runner, starter
 from pipeline.job import short_mb
 from pipeline.runner import SKIPPED_FILE, Outcome, selection_metric
-from pipeline.tracking import SKIPPED_RUN, StoreError, Tracker
+from pipeline.tracking import DESCRIPTION, SKIPPED_RUN, StoreError, Tracker
 
 SWEEP_FILE = "mlflow_sweep.json"
 SUMMARY_METRICS = ("optimizer_state_mb", "peak_memory_mb", "eval_loss", "eval_f1", "train_samples_per_second")
@@ -194,6 +194,49 @@ def mark_failed() -> None:
             tracker.end(run_id, "FAILED")
 
 
+LOST = "lost"  # failure_reason of a run whose process went without ending it
+
+
+def waits_on_disk(run) -> bool:
+    """Whether a run's outcome waits in its folder for `python -m pipeline.record`: a job's journal entry, or
+    a sweep that ended while its outcomes waited (its parent left open) or whose outcomes wait."""
+    tags = run.data.tags
+    if "job_dir" in tags:
+        return (Path(tags["job_dir"]) / journal.UNRECORDED_FILE).exists()
+    if "sweep_dir" in tags:
+        ids = sweep_ids(Path(tags["sweep_dir"])) or {}
+        return bool(ids.get("ended") or journal.waiting(Path(tags["sweep_dir"])))
+    return False
+
+
+def close_lost(tracker: Tracker, experiment_id: str) -> list[str]:
+    """End KILLED, with failure_reason `lost`, each run of the experiment still RUNNING whose process is gone
+    (killed outright, or its machine died: nothing ended the run), but those whose outcome waits on disk
+    (waits_on_disk). A run whose process cannot be checked from here (pipeline.liveness) stays RUNNING. The
+    run ids ended."""
+    running = tracker.client.search_runs(
+        [experiment_id], filter_string="attributes.status = 'RUNNING'", max_results=10000
+    )
+    closed = []
+    for run, alive in zip(running, liveness.states([r.data.tags for r in running]), strict=True):
+        if alive is not False or waits_on_disk(run):
+            continue
+        tags = run.data.tags
+        where = [f"SLURM job {tags[liveness.SLURM_JOB]}"] if liveness.SLURM_JOB in tags else []
+        where += [f"pid {tags[liveness.PID]} on {tags[liveness.HOST]}"] if liveness.PID in tags else []
+        error = (
+            f"its process ({', '.join(where)}) is gone without ending this run (killed outright, or its "
+            "machine died)"
+        )
+        tracker.log(
+            run.info.run_id,
+            tags={"failure_reason": LOST, "error": error, DESCRIPTION: f"KILLED: {LOST}: {error}"},
+        )
+        tracker.end(run.info.run_id, "KILLED")
+        closed.append(run.info.run_id)
+    return closed
+
+
 JOB_KINDS = (("find_batch_size", "largest-batch search"), ("plan", "plan"))  # param == "True" -> kind
 PLURALS = {"training": "training", "largest-batch search": "largest-batch searches", "plan": "plans"}
 
@@ -320,6 +363,14 @@ class SweepCallback(Callback):
         except StoreError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
+        try:  # the runs an earlier sweep left RUNNING as it died (its points run again, or were done)
+            lost = close_lost(tracker, experiment_id)
+            if lost:
+                print(
+                    f"[sweep] {len(lost)} runs left RUNNING by a process that is gone: ended KILLED ({LOST})"
+                )
+        except Exception as error:
+            print(f"[sweep] runs left RUNNING not checked ({journal.first_line(error)})", file=sys.stderr)
         overrides = " ".join(config.hydra.overrides.task)
         metric = sweep_metric(config)
         parent = tracker.start_run(
@@ -332,6 +383,7 @@ class SweepCallback(Callback):
                 "kind": "sweep",
                 # what its saved view ranks its jobs by (browse.sweep_url)
                 browse.METRIC_TAG: metric,
+                **liveness.process_tags(),  # a later sweep ends it if this process goes without ending it
             },
         )
         ids = {

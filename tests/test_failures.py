@@ -11,10 +11,23 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from mlflow import MlflowClient
 
 from pipeline import starter
 from pipeline.optimizers import REGISTRY
-from tests.conftest import ROOT, TINY, cli_env, run_cli, running, starter_processes, store, sweep_runs
+from tests.conftest import (
+    ROOT,
+    TINY,
+    cli_env,
+    free_port,
+    run_cli,
+    running,
+    start_mlflow_server,
+    starter_processes,
+    stop_mlflow_server,
+    store,
+    sweep_runs,
+)
 
 
 def names(group: str) -> str:
@@ -236,6 +249,114 @@ def test_terminate_is_an_interrupt_too(tmp_path):
     assert sweep.returncode == 130
     parent, children = sweep_runs(tmp_path)
     assert parent.info.status == "KILLED" and [r.info.status for r in children] == ["KILLED"]
+
+
+def killed_outright(tmp_path, *args) -> Path:
+    """A 6-job sweep killed as its machine would die, as its third job starts: SIGKILL to its process group,
+    its job starter and that one's jobs; its folder."""
+    env = {**cli_env(), starter.KEEP_ENV: "0", "TEST_TAG": str(tmp_path)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "-m",
+        "seed=0,1,2,3,4,5",
+        *TINY,
+        *args,
+        f"outputs_dir={tmp_path}",
+    ]
+    with open(tmp_path / "killed.log", "w") as log:
+        sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("multirun/*/2/config.yaml")):  # its run is open, its job starts
+        assert sweep.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(sweep.pid, signal.SIGKILL)
+    server, jobs = starter_processes(str(tmp_path))
+    for pid in [*jobs, *([server] if server else [])]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    sweep.wait(timeout=60)
+    (folder,) = tmp_path.glob("multirun/*")
+    return folder
+
+
+def all_runs(uri: str) -> list:
+    client = MlflowClient(uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def assert_lost_runs_ended(runs, killed: Path) -> None:
+    """None RUNNING: the killed sweep's parent and third job KILLED (lost), every other run FINISHED, each
+    seed FINISHED once."""
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    lost = {r.data.tags.get("kind", "job"): r for r in runs if r.info.status == "KILLED"}
+    assert sorted(lost) == ["job", "sweep"] and lost["sweep"].data.tags["sweep_dir"] == str(killed.resolve())
+    assert lost["job"].data.tags["job_dir"] == str((killed / "2").resolve())
+    for run in lost.values():
+        assert run.data.tags["failure_reason"] == "lost"
+        assert run.data.tags["error"] == (
+            f"its process (pid {run.data.tags['pid']} on {run.data.tags['host']}) is gone without ending this "
+            "run (killed outright, or its machine died)"
+        )
+        assert run.info.end_time is not None
+    rest = [r for r in runs if r.info.status != "KILLED"]
+    assert {r.info.status for r in rest} == {"FINISHED"}
+    seeds = [r.data.params["seed"] for r in rest if "config_hash" in r.data.tags]
+    assert sorted(seeds) == ["0", "1", "2", "3", "4", "5"]
+
+
+@pytest.mark.slow  # a 6-job sweep killed during its third job, then run again (40 s on 2 loaded cores)
+def test_a_rerun_ends_the_runs_a_killed_sweep_left_running(tmp_path):
+    """A sweep killed outright leaves its parent run and its running job's run RUNNING (no handler runs); the
+    same command again ends them KILLED (`failure_reason=lost`), skips the 2 points done and trains the 4
+    others."""
+    killed = killed_outright(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert sorted(r.info.status for r in all_runs(uri)) == ["FINISHED", "FINISHED", "RUNNING", "RUNNING"]
+    rerun = run_cli(tmp_path, "-m", "seed=0,1,2,3,4,5", *TINY)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "[sweep] 2 runs left RUNNING by a process that is gone: ended KILLED (lost)" in rerun.stdout
+    assert "[sweep] 4 jobs: 4 finished, 0 failed, 2 skipped (FINISHED before)" in rerun.stdout
+    runs = all_runs(uri)
+    assert_lost_runs_ended(runs, killed)
+    assert len(runs) == 2 + 3 + 4  # the two parents, the killed sweep's three jobs, the rerun's four
+
+
+@pytest.mark.slow  # a 6-job sweep on a server killed during its third job, then pipeline.record (45 s)
+def test_pipeline_record_ends_the_runs_a_killed_sweep_left_running_on_a_server(tmp_path):
+    """The same sweep on a tracking server, killed the same way: `python -m pipeline.record <its folder>` ends
+    the runs it left RUNNING; a second call finds nothing."""
+    folder, port = tmp_path / "server", free_port()
+    folder.mkdir()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(folder, port)
+    try:
+        killed = killed_outright(tmp_path, "tracking=server", f"tracking.uri={uri}")
+        assert sorted(r.info.status for r in all_runs(uri)) == ["FINISHED", "FINISHED", "RUNNING", "RUNNING"]
+
+        def record() -> str:
+            command = [sys.executable, "-m", "pipeline.record", str(killed)]
+            done = subprocess.run(
+                command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            return done.stdout
+
+        out = record()
+        assert out.count("ended KILLED (lost: its process is gone)") == 2, out
+        assert (
+            "[record] 0 results recorded, 0 sweeps closed, 2 runs left RUNNING by a process that is gone"
+            in out
+        )
+        runs = all_runs(uri)
+        assert len(runs) == 4
+        lost = [r for r in runs if r.info.status == "KILLED"]
+        assert len(lost) == 2 and all(r.data.tags["failure_reason"] == "lost" for r in lost)
+        assert not [r for r in runs if r.info.status == "RUNNING"]
+        assert "nothing waits to be recorded" in record()
+    finally:
+        stop_mlflow_server(server)
 
 
 def test_a_rerun_skips_finished_points_and_force_reruns_them_with_identical_numbers(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from pipeline import liveness
 from pipeline.journal import RECORD_KEY
 from pipeline.tracking import StoreError, Tracker
 from tests.conftest import ROOT, TINY, cli_env, free_port, run_cli, start_mlflow_server, stop_mlflow_server
@@ -335,7 +336,7 @@ SHORT_RETRIES = {
 }
 THREE_POINTS = ["-m", "seed=1,2,3", *TINY]
 # what differs between two runs of the same point by nature: where and when it ran, how fast, the process
-WHERE_AND_WHEN = {"job_dir", "mlflow.parentRunId", RECORD_KEY}
+WHERE_AND_WHEN = {"job_dir", "mlflow.parentRunId", RECORD_KEY, liveness.PID, liveness.PID_START}
 HOW_FAST = ("_per_second", "_ms", "_s")
 PROCESS = {"mfu", "peak_rss_mb", "device_peak_tflops"}
 

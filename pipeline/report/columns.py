@@ -277,4 +277,5 @@ FAILURE_LABELS = {
     "oom": "does not fit (out of memory)",
     "nan_loss": "loss became NaN/inf",
     "killed": "killed",
+    "lost": "lost (its process died)",
 }
