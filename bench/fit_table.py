@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 TASKS = ("classification", "causal_lm")
 # the models each task's rows cover, smallest first: classifiers of the four 0.5-8B decoders; as language models,
-# every published decoder of conf/model (pipeline.models.decoders() with a hub_id: not the tests' tiny ones)
+# the published decoders conf/model ships (pipeline.models.decoders() with a hub_id: not the tests' tiny ones)
 MODELS = {
     "classification": ("qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b", "llama-3.1-8b"),
     "causal_lm": ("gpt2", "qwen2.5-0.5b", "llama-3.2-1b", "mistral-7b", "llama-3.1-8b"),

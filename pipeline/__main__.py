@@ -21,13 +21,21 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from pipeline import quiet, runner, sweep  # noqa: E402
-from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, unused_custom_optim, validate  # noqa: E402
+from pipeline.config import (  # noqa: E402
+    CONF_DIR,
+    ConfigError,
+    check_group_overrides,
+    own_model,
+    unused_custom_optim,
+    validate,
+)
 from pipeline.keys import check_keys  # noqa: E402
 
 # `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
 GROUP_HELP = {
     "optim": "the optimizer and its settings, docs/optimizers.md",
-    "model": "the model fine-tuned (tiny: 1M parameters, for tests; the decoders also as language models)",
+    "model": "the model fine-tuned (tiny: 1M parameters, for tests; the decoders also as language models; your "
+    "own: model.config=<its config.json or folder>)",
     "peft": "full fine-tuning (none) or LoRA adapters on a frozen base (lora), a 4-bit one (qlora), docs/config.md",
     "task": "classification (a head over the data's labels) or causal_lm (a decoder's next-token loss on the text)",
     "data": "the dataset (csv: your own files, data.train_file and data.eval_file)",
@@ -54,6 +62,10 @@ OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     gc.enable()  # (off while the command started)
+    try:  # a model of one's own (model.config): its catalog entry, what the run's name, params and job read
+        cfg = own_model(cfg)
+    except ConfigError:
+        pass  # validate says it: a single run stops, a sweep's point fails
     if HydraConfig.get().mode == RunMode.RUN:
         # a single run fails fast on bad input; in a sweep, a bad point becomes a FAILED run and the rest go on
         try:

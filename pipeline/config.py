@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import difflib
 import functools
@@ -17,7 +18,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline import adapters
-from pipeline.data import FILE_BUILDERS, PACKAGED
+from pipeline.data import FILE_BUILDERS, PACKAGED, TEXT_ONLY
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
 from pipeline.slurm import cpus_per_task as _slurm_resolvers  # noqa: F401 (registers conf/launcher/slurm.yaml's)
@@ -372,6 +373,8 @@ def _check_search_alone(cfg: DictConfig) -> None:
 
 def _check_positions(cfg: DictConfig) -> None:
     positions = cfg.model.max_tokens
+    if positions is None:  # (a config.json that names no number of positions)
+        return
     _check(
         cfg,
         "train.max_length",
@@ -383,14 +386,21 @@ def _check_positions(cfg: DictConfig) -> None:
 
 def _check_task_model(cfg: DictConfig) -> None:
     """task=causal_lm needs a decoder: an encoder (BERT, MiniLM) has a bidirectional attention and no
-    next-token head to fine-tune; train.packing is a language model's way of batching."""
+    next-token head to fine-tune, nor has a model of one's own (model.config) whose type transformers builds
+    no causal LM of (T5); train.packing is a language model's way of batching."""
     from pipeline.models import ENCODER_TYPES, decoders, model_type
 
     if cfg.task.name == "causal_lm":
         kind = model_type(cfg.model)
-        if kind in ENCODER_TYPES:
+        what = f"an encoder ({kind})" if kind in ENCODER_TYPES else None
+        if what is None and cfg.model.get("config") is not None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                what = f"a {kind} model, which transformers builds no causal language model of"
+        if what is not None:
             raise ConfigError(
-                f"task=causal_lm is invalid with model={cfg.model.name}: it is an encoder ({kind}), not a "
+                f"task=causal_lm is invalid with model={cfg.model.name}: it is {what}, not a "
                 f"decoder that predicts the next token; the decoders: {', '.join(decoders())}",
                 ("task.name", "model.name"),
             )
@@ -403,19 +413,53 @@ def _check_task_model(cfg: DictConfig) -> None:
 
 
 def _check_file(cfg: DictConfig, key: str) -> None:
-    """A data file: its type, that it exists and is readable, and that it has the configured columns."""
+    """A data file: its type, that it exists and is readable, and that it has the configured columns (a
+    language model's, task=causal_lm: the text column alone)."""
     _check(
         cfg, key, lambda v: Path(v).suffix in FILE_BUILDERS, f"file type must be {', '.join(FILE_BUILDERS)}"
     )
     _check(cfg, key, lambda v: Path(v).is_file(), "no such file")
     _check(cfg, key, lambda v: os.access(v, os.R_OK), "file is not readable")
-    columns = header(Path(_value(cfg, key)))
-    for column in ("data.text_column", "data.label_column"):
-        if columns is not None and _value(cfg, column) not in columns:
+    path = Path(_value(cfg, key))
+    classify = cfg.task.name == "classification"
+    if classify and path.suffix in TEXT_ONLY:
+        raise ConfigError(
+            f"{key}={str(path)!r} is invalid with task=classification: a {path.suffix} file holds text alone, "
+            f"no labels (task=causal_lm trains on it; a classifier reads "
+            f"{', '.join(s for s in FILE_BUILDERS if s not in TEXT_ONLY)})",
+            (key, "task.name"),
+        )
+    columns = header(path)
+    needed = ("data.text_column", "data.label_column") if classify else ("data.text_column",)
+    for column in needed if columns is not None else ():
+        if _value(cfg, column) not in columns:
+            # (the label column's verdict depends on the task: a language model reads no labels)
+            also = ("task.name",) if column == "data.label_column" else ()
             raise ConfigError(
                 f"{column}={_value(cfg, column)!r} is invalid: {key} has the columns {', '.join(columns)}",
-                (column, key),
+                (column, key, *also),
             )
+
+
+def _check_file_types(cfg: DictConfig) -> None:
+    """The train and eval files are read by one `datasets` loader, the train file's: the eval file's type too."""
+    train, evaluation = (Path(_value(cfg, key)).suffix for key in ("data.train_file", "data.eval_file"))
+    if FILE_BUILDERS[train] != FILE_BUILDERS[evaluation]:
+        raise ConfigError(
+            f"data.eval_file={_value(cfg, 'data.eval_file')!r} is invalid: data.train_file is a {train} file and "
+            f"both are read as one type ({FILE_BUILDERS[train]}): give the eval file that type",
+            ("data.eval_file", "data.train_file"),
+        )
+
+
+def _check_label_column(cfg: DictConfig) -> None:
+    """A classifier learns the labels of a column: data.label_column null is a language model's (no labels)."""
+    if cfg.task.name == "classification" and _value(cfg, "data.label_column") is None:
+        raise ConfigError(
+            "data.label_column=None is invalid with task=classification: a classifier learns the labels of a "
+            "column (name it; task=causal_lm trains on the text alone)",
+            ("data.label_column", "task.name"),
+        )
 
 
 def _also_on(check: Callable[[], None], *keys: str) -> Callable[[], None]:
@@ -499,21 +543,81 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_task_model, cfg)
     yield partial(_check_peft, cfg)
     yield partial(check_tracking_uri, cfg)
+    if cfg.data.loader in ("files", "hub"):
+        yield _also_on(partial(_check_label_column, cfg), "data.loader")
     if cfg.data.loader == "files":
         for key in ("data.train_file", "data.eval_file"):
             yield _also_on(partial(_check_file, cfg, key), "data.loader")
+        yield _also_on(partial(_check_file_types, cfg), "data.loader")
+
+
+def own_model(cfg: DictConfig) -> DictConfig:
+    """The config with its model the entry model.config makes (pipeline.models.own_model: its name, architecture,
+    positions, weights and tokenizer); the config itself where model.config is unset. ConfigError for a bad
+    path, file, or a model_type transformers does not know."""
+    if OmegaConf.select(cfg, "model.config") is None:
+        return cfg
+    from pipeline import models
+
+    try:
+        entry = models.own_model(cfg.model)
+    except ValueError as err:
+        raise ConfigError(str(err), ("model.config",)) from None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    kind = entry.architecture.model_type
+    if kind not in CONFIG_MAPPING_NAMES:
+        import transformers
+
+        raise ConfigError(
+            f"model.config={cfg.model.config!r} is invalid: model_type {kind!r} is not one transformers "
+            f"{transformers.__version__} knows{did_you_mean(kind, CONFIG_MAPPING_NAMES)}",
+            ("model.config",),
+        )
+    own = copy.deepcopy(cfg)
+    own.model = entry
+    return own
+
+
+def _own_checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
+    """The checks of a config whose model may be one's own (model.config): the first says what is wrong with it;
+    the others check the model it makes, their verdicts on the model depending on model.config too."""
+    try:
+        own = own_model(cfg)
+    except ConfigError as err:
+        yield partial(_fail, err)
+        return
+    for check in _checks(own):
+        yield check if own is cfg else _on_own_model(check)
+
+
+def _fail(err: ConfigError) -> None:
+    raise err
+
+
+def _on_own_model(check: Callable[[], None]) -> Callable[[], None]:
+    """The check, its verdict on a model key depending on model.config too (the config.json makes the model)."""
+
+    def run() -> None:
+        try:
+            check()
+        except ConfigError as err:
+            on_model = any(key == "model" or key.startswith("model.") for key in err.keys)
+            raise ConfigError(str(err), (*err.keys, "model.config") if on_model else err.keys) from None
+
+    return run
 
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError for the first bad value."""
-    for check in _checks(cfg):
+    for check in _own_checks(cfg):
         check()
 
 
 def problems(cfg: DictConfig) -> Iterator[ConfigError]:
     """Every check's ConfigError, not only the first one's (a sweep asks which of them no swept key can
     change). A check that cannot run because of another bad value is left out."""
-    for check in _checks(cfg):
+    for check in _own_checks(cfg):
         try:
             check()
         except ConfigError as err:
@@ -523,7 +627,10 @@ def problems(cfg: DictConfig) -> Iterator[ConfigError]:
 
 
 def header(path: Path) -> list[str] | None:
-    """Column names of a csv or json-lines file from its first line (None for other formats)."""
+    """Column names of a csv or json-lines file from its first line; a text file's one column, `text` (as
+    datasets' text loader names it); None for other formats."""
+    if path.suffix in TEXT_ONLY:
+        return ["text"]
     with path.open(newline="") as file:
         first = file.readline()
     if path.suffix == ".csv":

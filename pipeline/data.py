@@ -1,5 +1,6 @@
-"""Datasets -> train/eval splits with a `text` and an integer `label` column, then tokenized (for a language
-model, task=causal_lm: the text alone, optionally packed into full blocks)."""
+"""Datasets -> train/eval splits with a `text` and an integer `label` column (for a language model, task=causal_lm,
+the text alone where the data has no labels), then tokenized (a language model's text optionally packed into full
+blocks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import cache
 
 IGNORE_INDEX = -100  # a label the loss leaves out (torch's cross_entropy ignore_index, transformers' padding)
-FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# a file's type -> the `datasets` loader that reads it; a .txt file is one text per line (datasets' text loader)
+FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+TEXT_ONLY = (".txt",)  # file types that hold text and no labels: a language model's (task=causal_lm)
 
 
 @dataclass
@@ -119,17 +122,27 @@ def _encode_labels(train, eval_):
     return train, eval_, classes.names
 
 
-def _select_columns(ds, text_column: str, label_column: str):
-    missing = [c for c in (text_column, label_column) if c not in ds.column_names]
+def _select_columns(ds, text_column: str, label_column: str | None):
+    """The text and label columns as `text` and `label`; the text alone where label_column is None."""
+    wanted = [text_column] if label_column is None else [text_column, label_column]
+    missing = [c for c in wanted if c not in ds.column_names]
     if missing:
         raise ValueError(f"column(s) {missing} not found; the data has columns {ds.column_names}")
-    ds = ds.select_columns([text_column, label_column])
-    return ds.rename_columns(
-        {k: v for k, v in {text_column: "text", label_column: "label"}.items() if k != v}
-    )
+    ds = ds.select_columns(wanted)
+    return ds.rename_columns({k: v for k, v in zip(wanted, ("text", "label"), strict=False) if k != v})
 
 
-def load_splits(cfg: DictConfig) -> Splits:
+def _label_column(ds, cfg: DictConfig, task: str) -> str | None:
+    """The label column to read: data.label_column; for a language model, None where it is null or the data
+    lacks it (its text is all it reads; labelled data keeps its labels, so its splits are a classifier's)."""
+    column = cfg.label_column
+    if task == "causal_lm" and (column is None or column not in ds.column_names):
+        return None
+    return column
+
+
+def load_splits(cfg: DictConfig, task: str = "classification") -> Splits:
+    """The data config's train, eval and validation splits, as read for `task`."""
     import datasets
 
     if cfg.loader in PACKAGED:
@@ -138,27 +151,36 @@ def load_splits(cfg: DictConfig) -> Splits:
         both = both.cast_column("label", datasets.ClassLabel(names=names))
         parts = both.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
         train, eval_ = parts["train"], parts["test"]
-    elif cfg.loader == "files":
-        suffix = Path(cfg.train_file).suffix
-        raw = datasets.load_dataset(
-            FILE_BUILDERS[suffix], data_files={"train": cfg.train_file, "eval": cfg.eval_file}
-        )
-        train = _select_columns(raw["train"], cfg.text_column, cfg.label_column)
-        eval_ = _select_columns(raw["eval"], cfg.text_column, cfg.label_column)
-    elif cfg.loader == "hub":
-        raw = datasets.load_dataset(cfg.path, cfg.subset)
-        train = _select_columns(raw[cfg.train_split], cfg.text_column, cfg.label_column)
-        eval_ = _select_columns(raw[cfg.eval_split], cfg.text_column, cfg.label_column)
     else:
-        raise ValueError(f"data.loader={cfg.loader!r}; allowed: {', '.join([*PACKAGED, 'files', 'hub'])}")
+        if cfg.loader == "files":
+            suffix = Path(cfg.train_file).suffix
+            raw = datasets.load_dataset(
+                FILE_BUILDERS[suffix], data_files={"train": cfg.train_file, "eval": cfg.eval_file}
+            )
+            raw_train, raw_eval = raw["train"], raw["eval"]
+            if suffix in TEXT_ONLY:  # blank lines are no text
+                raw_train, raw_eval = (
+                    ds.filter(lambda row: row["text"].strip() != "") for ds in (raw_train, raw_eval)
+                )
+        elif cfg.loader == "hub":
+            raw = datasets.load_dataset(cfg.path, cfg.subset)
+            raw_train, raw_eval = raw[cfg.train_split], raw[cfg.eval_split]
+        else:
+            raise ValueError(f"data.loader={cfg.loader!r}; allowed: {', '.join([*PACKAGED, 'files', 'hub'])}")
+        label = _label_column(raw_train, cfg, task)
+        train = _select_columns(raw_train, cfg.text_column, label)
+        eval_ = _select_columns(raw_eval, cfg.text_column, label)
 
-    train, eval_, names = _encode_labels(train, eval_)
+    labelled = "label" in train.column_names
+    train, eval_, names = _encode_labels(train, eval_) if labelled else (train, eval_, [])
     val = None
     # the validation split: fixed by split_seed; stratified (each class keeps its share) where it can be
     if cfg.get("val_fraction"):
-        # (the column in one read: iterating train["label"] reads it row by row, a second per 10k rows)
-        counts = np.bincount(train.with_format("numpy")[:]["label"], minlength=len(names))
-        stratify = counts.min() >= 2 and round(len(train) * cfg.val_fraction) >= len(names)
+        stratify = False
+        if labelled:
+            # (the column in one read: iterating train["label"] reads it row by row, a second per 10k rows)
+            counts = np.bincount(train.with_format("numpy")[:]["label"], minlength=len(names))
+            stratify = counts.min() >= 2 and round(len(train) * cfg.val_fraction) >= len(names)
         parts = train.train_test_split(
             test_size=cfg.val_fraction, seed=cfg.split_seed, stratify_by_column="label" if stratify else None
         )
@@ -225,7 +247,7 @@ def source_stamp(cfg: DictConfig) -> list | None:
 MANIFEST = "splits.json"  # in a cached splits folder: the class names and the splits' dataset inputs
 
 
-def read_splits(cfg: DictConfig, outputs_dir) -> Splits:
+def read_splits(cfg: DictConfig, outputs_dir, task: str = "classification") -> Splits:
     """`load_splits` with the splits' dataset inputs, read from local files once per sweep: the splits as read
     are kept as datasets' Arrow files under <outputs_dir>/cache/splits/<key> (pipeline.cache.cached_dataset),
     the key made of the data config, the files' sizes and modification times, the datasets version and the
@@ -233,16 +255,17 @@ def read_splits(cfg: DictConfig, outputs_dir) -> Splits:
     them too."""
     stamp = source_stamp(cfg)
     if stamp is None:
-        splits = load_splits(cfg)
+        splits = load_splits(cfg, task)
         splits.inputs = dataset_inputs(splits, cfg)
         return splits
 
     def build():
-        splits = load_splits(cfg)
+        splits = load_splits(cfg, task)
         parts = {"train": splits.train, "eval": splits.eval, "val": splits.val}
         return parts, {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
 
-    inputs = [OmegaConf.to_container(cfg, resolve=True), stamp]
+    # (a language model's splits keyed apart: the same data config read without its labels)
+    inputs = [OmegaConf.to_container(cfg, resolve=True), stamp] + ([task] if task != "classification" else [])
     parts, manifest = cache.cached_dataset(cache.folder(outputs_dir, "splits"), inputs, build, MANIFEST)
     return Splits(
         parts["train"], parts["eval"], manifest["label_names"], parts.get("val"), manifest["inputs"]

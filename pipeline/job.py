@@ -32,7 +32,7 @@ def load(cfg: DictConfig):
 
     # the data first: the model's classes are the splits' labels; then the tokenizer and the model, whose
     # vocabulary the tokenized splits keep to
-    splits = data.read_splits(cfg.data, cfg.outputs_dir)  # (their `inputs`: the splits as read, for MLflow)
+    splits = data.read_splits(cfg.data, cfg.outputs_dir, cfg.task.name)  # (`inputs`: as read, for MLflow)
     labels = splits.label_names
     tokenizer = models.load_tokenizer(cfg.model)
     # where the job trains: random weights are made there, qlora's 4-bit base is quantized there

@@ -1,4 +1,5 @@
-"""Model catalog: pretrained weights (packaged or hub cache) or an architecture built with random weights."""
+"""Model catalog: pretrained weights (packaged, hub cache or a local folder) or an architecture built with random
+weights; a user's own model from its config.json (model.config)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 import importlib
 import json
 import logging
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,26 +37,36 @@ def packaged_tokenizer(package: str):
 
 
 def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
-    """The model's tokenizer: packaged, from the hub (pretrained), or from the local cache. A random-weight model
-    (or any model with `local_only`: a plan, which needs only the batch's tensor names) asks no network: where
-    its tokenizer is not cached it gets the packaged MiniLM one, said once per process."""
+    """The model's tokenizer: packaged, from the hub (pretrained), or from the local cache or folder. A
+    random-weight model, a model of one's own (model.config) or any model with `local_only` (a plan, which needs
+    only the batch's tensor names) asks no network: where its tokenizer is not found it gets the packaged MiniLM
+    one, said once per process."""
     from transformers import AutoTokenizer
 
     if model_cfg.package:
         tokenizer = packaged_tokenizer(model_cfg.package)
     else:
-        offline = local_only or not model_cfg.pretrained
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_cfg.hub_id, local_files_only=offline)
-        except OSError:
-            if not offline:
-                raise
-            if model_cfg.hub_id not in _FELL_BACK:
-                _FELL_BACK.add(model_cfg.hub_id)
+        offline = local_only or not model_cfg.pretrained or model_cfg.get("config") is not None
+        tokenizer = None
+        if model_cfg.hub_id is not None:  # (None: a config.json with no tokenizer beside it)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model_cfg.hub_id, local_files_only=offline)
+            except OSError:
+                if not offline:
+                    raise
+        if tokenizer is None:
+            source = model_cfg.hub_id or model_cfg.name
+            if source not in _FELL_BACK:
+                _FELL_BACK.add(source)
                 log.warning(
-                    "tokenizer of %s is not cached; using the packaged MiniLM tokenizer (%s)",
-                    model_cfg.hub_id,
-                    "a plan needs only its tensor names" if local_only else "random weights anyway",
+                    "tokenizer of %s is not %s; using the packaged MiniLM tokenizer (%s)",
+                    source,
+                    "cached" if model_cfg.hub_id else "beside its config.json",
+                    "a plan needs only its tensor names"
+                    if local_only
+                    else "random weights anyway"
+                    if not model_cfg.pretrained
+                    else "ids past the model's vocabulary become its unknown token",
                 )
             tokenizer = packaged_tokenizer(FALLBACK_TOKENIZER_PACKAGE)
     if tokenizer.pad_token is None:  # GPT-2 has none; batches need one
@@ -86,6 +98,85 @@ ENCODER_TYPES = frozenset(
 )
 
 
+CATALOG = Path(__file__).resolve().parent.parent / "conf" / "model"
+# what a config.json holds besides the architecture: where it was saved from, its classes, the library's version,
+# the weights' dtype (train.precision decides it) and the KV cache (a training step reads none)
+NOT_ARCHITECTURE = (
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # (one file, or the index of its shards)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# the number of positions a model takes, by the name its config gives it (GPT-2's: n_positions)
+POSITIONS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+OWN_MODEL_IS = (
+    "a model's config.json, or a folder holding one (with its weights, model.safetensors, and its tokenizer "
+    "where it has them)"
+)
+
+
+def own_model(model_cfg: DictConfig) -> DictConfig:
+    """The catalog entry that model.config (a config.json, or a folder holding one) makes, what a conf/model
+    yaml would say: its name (model.name where set, else the folder's or the file's), its architecture (the
+    config.json less NOT_ARCHITECTURE), its positions (max_tokens), pretrained where the folder holds weights,
+    its tokenizer's source (the folder's own, else the hub id it names, else none). ValueError naming the path
+    for a bad one (a model_type transformers does not know: pipeline.config). An entry made before comes back the
+    same (a job reads its own config)."""
+    given = model_cfg.config
+    path = Path(str(given)).expanduser().absolute()
+    folder = path if path.is_dir() else None
+    file = path / "config.json" if folder else path
+    if not file.is_file():
+        what = "has no config.json" if folder else "no such file or folder"
+        raise ValueError(f"model.config={given!r} is invalid: {what}; allowed: {OWN_MODEL_IS}")
+    try:
+        values = json.loads(file.read_text())
+    except ValueError as err:
+        raise ValueError(f"model.config={given!r} is invalid: {file} is not JSON ({err})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ValueError(
+            f"model.config={given!r} is invalid: {file} names no model_type; allowed: {OWN_MODEL_IS}"
+        )
+    weights = folder is not None and any((folder / name).is_file() for name in WEIGHT_FILES)
+    named = str(values.get("_name_or_path") or "")
+    if folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        tokenizer = str(folder)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", named) and not Path(named).exists():  # a hub id: its cached one
+        tokenizer = named
+    else:
+        tokenizer = None
+    positions = next((values[key] for key in POSITIONS if isinstance(values.get(key), int)), None)
+    entry = {
+        "name": model_cfg.name if model_cfg.name not in catalog_names() else own_name(path),
+        "config": str(path),
+        "package": None,
+        "hub_id": tokenizer,
+        "pretrained": weights,
+        "max_tokens": positions,
+        "architecture": {k: v for k, v in values.items() if k not in NOT_ARCHITECTURE},
+    }
+    return OmegaConf.create({**OmegaConf.to_container(model_cfg, resolve=True), **entry})
+
+
+def own_name(path: Path) -> str:
+    """A config.json's model name: its folder's (a hub cache's models--owner--name/snapshots/<commit>: the name),
+    or the file's own (qwen-1.5b.json)."""
+    hub = [part for part in path.parts if part.startswith("models--")]
+    if hub:
+        return hub[-1].rsplit("--", 1)[-1]
+    return path.name if path.is_dir() else path.parent.name if path.name == "config.json" else path.stem
+
+
+@functools.cache
+def catalog_names() -> frozenset[str]:
+    """The names of conf/model's models: a model.name among them is the yaml's, not one the user gave."""
+    return frozenset(path.stem for path in CATALOG.glob("*.yaml"))
+
+
 def model_type(model_cfg: DictConfig) -> str:
     """The transformers model type (`llama`, `bert`), read from the yaml's architecture or the config.json of
     the packaged or cached weights, without importing transformers."""
@@ -100,9 +191,8 @@ def model_type(model_cfg: DictConfig) -> str:
 
 def decoders() -> list[str]:
     """The models of conf/model that are decoders (task=causal_lm builds them with their LM head)."""
-    folder = Path(__file__).resolve().parent.parent / "conf" / "model"
     found = []
-    for path in sorted(folder.glob("*.yaml")):
+    for path in sorted(CATALOG.glob("*.yaml")):
         arch = OmegaConf.load(path).get("architecture")
         if arch is not None and arch.get("model_type") not in ENCODER_TYPES:
             found.append(path.stem)
@@ -150,7 +240,7 @@ def load_model(
 
     cls = auto_class(task)
     if model_cfg.pretrained:
-        source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
+        source = weights_source(model_cfg)
         try:
             model = cls.from_pretrained(source, **head_kwargs(task, num_labels, label_names))
         except OSError as err:
@@ -170,6 +260,14 @@ def load_model(
     return model
 
 
+def weights_source(model_cfg: DictConfig):
+    """Where a pretrained model's weights are read: its package's folder, its own folder (model.config), or its
+    hub id (the local cache when offline)."""
+    if model_cfg.package:
+        return packaged_path(model_cfg.package)
+    return model_cfg.config if model_cfg.get("config") is not None else model_cfg.hub_id
+
+
 def vocab_size(model) -> int:
     return model.get_input_embeddings().num_embeddings
 
@@ -185,4 +283,4 @@ def model_config(
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
         return AutoConfig.from_pretrained(source, **labels)
     arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
-    return AutoConfig.for_model(**arch, **labels)
+    return AutoConfig.for_model(**{**arch, **labels})  # (the head's settings over a config.json's own)

@@ -80,6 +80,8 @@ def job_params(cfg: DictConfig) -> dict:
         "max_length": cfg.train.max_length,
         "weight_decay": cfg.train.weight_decay,
         "pretrained": cfg.model.pretrained,
+        # a model of one's own: the config.json or folder it came from (`pretrained`: its weights loaded or random)
+        **({"model_source": cfg.model.config} if cfg.model.get("config") is not None else {}),
         "precision": cfg.train.precision,
         "padding": cfg.train.padding,
         "group_by_length": cfg.train.group_by_length,
@@ -302,6 +304,8 @@ def config_hash(cfg: DictConfig) -> str:
         del point["peft"]
     elif "peft" in point:  # the keys its method reads (lora has qlora's too, unused)
         point["peft"] = adapters.used(point["peft"])
+    if point["model"].get("config", False) is None:  # a catalog model (model.config: one's own, its entry)
+        del point["model"]["config"]
     for key, unset in (("plan", False), ("device_memory", None)):
         if point.get(key, unset) == unset:
             point.pop(key, None)
