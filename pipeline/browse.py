@@ -5,9 +5,10 @@ for the model-training one (`workflowType=machine_learning`), and its runs table
 and Models. This prints the address of the experiment's runs table in the model-training mode with a saved
 view ("Optimizer figures": the description, state, peak, F1 and throughput first) and the address of the
 latest sweep's jobs, best first (a saved view per sweep, `sweep-<parent run id>`: the page that opens, its
-jobs' F1, peak and state first, as rounded display copies: display_metrics), then serves a local store with
-`mlflow ui` (a server serves its own UI: the addresses are printed only). The sweep's end prints its own
-view's address the same way (sweep_url, sweep_line). See docs/mlflow.md.
+jobs' method, optimizer, F1, peak, samples/s and state first, the figures as rounded display copies:
+display_metrics), then serves a local store with `mlflow ui` (a server serves its own UI: the addresses are
+printed only). The sweep's end prints its own view's address the same way (sweep_url, sweep_line). See
+docs/mlflow.md.
 """
 
 from __future__ import annotations
@@ -35,19 +36,24 @@ from pipeline.tracking import (
 EXPERIMENT = "optimizer-sweep"  # conf/tracking/local.yaml's tracking.experiment
 HOST, PORT = "127.0.0.1", 5000  # LOCAL_UI: the address the sweep's links point to
 VIEW_KEY, VIEW_NAME = "optimizer-figures", "Optimizer figures"
+CREATED = "runDateAndNestInfo"  # the runs table's Created column (pinned beside the run's name)
 # the saved view's columns after the run's name, start and description: metrics, then params, each in the
 # order the UI gives them anyway (by name), since the 3.17 UI sometimes lays out a group before applying a
 # view's column order within it
 METRICS = ["eval_f1", "eval_macro_f1", "optimizer_state_mb", "peak_memory_mb", "train_samples_per_second"]
-PARAMS = ["batch_size", "lr", "model", "optim"]
-# display copies of three of those, rounded for the runs table (the 3.17 UI shows a metric's float as it is:
+PARAMS = ["batch_size", "lr", "method", "model", "optim"]
+# what a job of one sweep is, first in its view: how it trains (full, lora r=16, qlora r=16 nf4) and its
+# optimizer
+JOB_PARAMS = ["method", "optim"]
+# display copies of four of those, rounded for the runs table (the 3.17 UI shows a metric's float as it is:
 # no formatter, no precision setting): name -> (the exact metric it copies, how it rounds). Logged beside the
 # exact metrics (which stay as they are), where the run's description is made (display_metrics). Capitalised:
 # the UI sorts a group's keys by code unit, so they come before every lowercase metric, in this order
 DISPLAY = {
     "F1": ("eval_f1", "f1"),
-    "Peak MB": ("peak_memory_mb", "mb"),
-    "State MB": ("optimizer_state_mb", "mb"),
+    "Peak MB": ("peak_memory_mb", "3 digits"),
+    "Samples/s": ("train_samples_per_second", "3 digits"),
+    "State MB": ("optimizer_state_mb", "3 digits"),
 }
 SWEEP_VIEW = "sweep-"  # + parent run id: the saved view of one sweep's jobs
 METRIC_TAG, METRIC = "eval_metric", "macro_f1"  # the parent run's tag: the metric its jobs are ranked by
@@ -74,8 +80,9 @@ def _column(kind: str, key: str) -> str:
 
 
 def display_value(value: float, how: str) -> float:
-    """`value` rounded as the runs table should read it: an F1 to 3 decimals (0.727, as the description), MB
-    to 3 significant digits, whole MB from 1000 on (7.72, 22.9, 1234: pipeline.job.short_mb's figures)."""
+    """`value` rounded as the runs table should read it: an F1 to 3 decimals (0.727, as the description),
+    other figures (MB, samples/s) to 3 significant digits, whole from 1000 on (7.72, 22.9, 1234:
+    pipeline.job.short_mb's figures)."""
     if how == "f1":
         return float(f"{value:.3f}")
     return float(f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}")
@@ -83,8 +90,9 @@ def display_value(value: float, how: str) -> float:
 
 def display_metrics(metrics: dict) -> dict:
     """The display copies (DISPLAY) of a run's `metrics`, to log beside them: `F1` (eval_f1), `Peak MB`
-    (peak_memory_mb) and `State MB` (optimizer_state_mb), rounded (display_value); those whose exact metric
-    the run lacks are left out. The exact metrics are not touched."""
+    (peak_memory_mb), `Samples/s` (train_samples_per_second) and `State MB` (optimizer_state_mb), rounded
+    (display_value); those whose exact metric the run lacks are left out. The exact metrics are not
+    touched."""
     return {
         name: display_value(float(metrics[key]), how)
         for name, (key, how) in DISPLAY.items()
@@ -103,27 +111,29 @@ def view_state(search_filter: str | None = None, metric: str = METRIC) -> dict:
     time, so a sweep's parent run keeps its jobs under it; or the runs `search_filter` finds (one sweep's
     jobs), best `eval_<metric>` first: the UI nests runs only when they are sorted by time, so these come as
     a flat list (sorted by time, a filter on the parent would show the parent's row with its jobs folded).
-    One sweep's view starts with the display copies (F1, Peak MB, State MB: rounded, sortable) and the tag
-    collapsed (true: a model whose F1 may look good though it predicts one class, as the description says)
-    before the description, so that they are on the first screen; every run's view has none of them (a
-    sweep's own row, the parent run, carries only the exact figures). A sweep of language models (`metric`
-    `loss`): its jobs lowest eval_loss first, their loss, perplexity and next-token accuracy among the key
-    metrics, the copies of peak and state only (no F1, nothing collapses)."""
+    One sweep's view starts with its jobs' method and optimizer (JOB_PARAMS), the display copies (F1, Peak
+    MB, Samples/s, State MB: rounded, sortable) and the tag collapsed (true: a model whose F1 may look good
+    though it predicts one class, as the description says) before the description, so that they are on the
+    first screen; every run's view has no copies (a sweep's own row, the parent run, carries only the exact
+    figures). A sweep of language models (`metric` `loss`): its jobs lowest eval_loss first, their loss,
+    perplexity and next-token accuracy among the key metrics, no F1 copy (nothing collapses)."""
     description, dataset = _column("attributes", "Description"), _column("attributes", "Dataset")
     lm = metric in LOWER_IS_BETTER
     copies = [_column("metrics", key) for key in DISPLAY] + [_column("tags", "collapsed")]
     if lm:
         copies = [_column("metrics", key) for key, (exact, _) in DISPLAY.items() if exact != "eval_f1"]
-    shown = copies if search_filter else []
+    job = [_column("params", key) for key in JOB_PARAMS]
+    shown = [*job, *copies] if search_filter else []
     metrics = [_column("metrics", key) for key in (LM_METRICS if lm and search_filter else METRICS)]
-    params = [_column("params", key) for key in PARAMS]
-    order = [_column("attributes", "Run Name"), *shown, description, *metrics, *params, dataset]
+    params = [column for column in (_column("params", key) for key in PARAMS) if column not in shown]
+    name = _column("attributes", "Run Name")
+    order = [name, CREATED, *shown, description, *metrics, *params, dataset]
     # within the 940 px the table gets at 1600 px beside the sidebar and MLflow's Assistant panel (a fresh
-    # browser opens both): a job's name and its start, then its figures and the tag (one sweep's view, the
-    # description begun) or the 50 characters of a description the table shows (every run's view)
-    widths = {_column("attributes", "Run Name"): 300, description: 330, dataset: 260}
+    # browser opens both): a job's name and its start, then its method, optimizer, figures and the tag (one
+    # sweep's view) or the 50 characters of a description the table shows (every run's view)
+    widths = {name: 110 if search_filter else 300, CREATED: 140, description: 330, dataset: 260}
     widths |= {column: 130 for column in metrics} | {column: 110 for column in params}
-    widths |= {column: 85 for column in shown}
+    widths |= {column: 80 for column in shown} | ({job[0]: 115, job[1]: 90} if search_filter else {})
     state = {
         "selectedColumns": [*shown, description, *metrics, *params, dataset],
         "columnOrder": [*order, _column("attributes", "Duration")],

@@ -152,7 +152,7 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
             result = json.loads((job_dir / RESULT_FILE).read_text())
             metrics, series, params = result["metrics"], result["series"], {**params, **result["params"]}
             tags = {**tags, **result["tags"], DESCRIPTION: run_description(metrics, result["tags"])}
-            # beside the exact figures, their rounded copies for the UI's runs table (F1, Peak MB, State MB)
+            # beside the exact figures, their rounded copies for the UI's runs table (F1, Peak MB, Samples/s, State MB)
             metrics = {**metrics, **display_metrics(metrics)}
         else:
             summary = (job_dir / ERROR_FILE).read_text().strip().splitlines()[0]

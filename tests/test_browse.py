@@ -104,7 +104,13 @@ def test_runs_describe_their_result_and_the_experiment_is_model_training(sweep):
 
 def test_the_display_copies_round_the_figures_and_come_first_in_a_sweeps_view():
     exact = {"eval_f1": 0.7269255251, "optimizer_state_mb": 7.716724395751953, "peak_memory_mb": 22.8962059}
-    assert browse.display_metrics(exact) == {"F1": 0.727, "Peak MB": 22.9, "State MB": 7.72}
+    exact["train_samples_per_second"] = 5.762712
+    assert browse.display_metrics(exact) == {
+        "F1": 0.727,
+        "Peak MB": 22.9,
+        "Samples/s": 5.76,
+        "State MB": 7.72,
+    }
     assert exact["eval_f1"] == 0.7269255251  # the exact metrics stay as they are
     assert browse.display_metrics({"peak_memory_mb": 1234.56, "eval_f1": 1.0}) == {
         "Peak MB": 1235.0,
@@ -116,9 +122,12 @@ def test_the_display_copies_round_the_figures_and_come_first_in_a_sweeps_view():
     assert sorted([*browse.DISPLAY, *browse.METRICS]) == [*browse.DISPLAY, *browse.METRICS]
     copies = [f"metrics.`{key}`" for key in browse.DISPLAY]
     state = browse.view_state("tags.mlflow.parentRunId = 'abc'")
-    first = [*copies, "tags.`collapsed`", "attributes.`Description`"]  # the tag: the description's marker
-    assert state["selectedColumns"][:5] == first
-    assert state["columnOrder"][:6] == ["attributes.`Run Name`", *first]
+    # what the job is (its method and optimizer, params it records), its figures, the tag collapsed (the
+    # description's marker), then the description
+    first = ["params.`method`", "params.`optim`", *copies, "tags.`collapsed`", "attributes.`Description`"]
+    assert state["selectedColumns"][:8] == first
+    assert state["columnOrder"][:10] == ["attributes.`Run Name`", "runDateAndNestInfo", *first]
+    assert len(state["selectedColumns"]) == len(set(state["selectedColumns"]))  # method and optim once
     assert state["orderByKey"] == "metrics.`eval_macro_f1`"  # ranked by the exact figure
     assert not set(copies) & set(browse.view_state()["selectedColumns"])  # a sweep's row has no copies
 
@@ -277,25 +286,26 @@ def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, 
         assert "workflowType=machine_learning" in page.js("location.hash") and "Traces 0" not in page.js(
             "document.body.innerText"
         )
-        # the name, F1, peak, state and whether the model collapsed whole, the description begun, on the first
-        # screen
+        # the name, the method and optimizer, F1, peak, samples/s, state and whether the model collapsed whole
+        # on the first screen, beside the Assistant panel a fresh browser opens
         copies = [f"metrics.`{key}`" for key in browse.DISPLAY]
-        shown, description = (
-            ["attributes.`Run Name`", *copies, "tags.`collapsed`"],
-            "attributes.`Description`",
-        )
-        where = edges(page, [*shown, description])
+        job = ["params.`method`", "params.`optim`"]
+        shown = ["attributes.`Run Name`", *job, *copies, "tags.`collapsed`"]
+        where = edges(page, shown)
         assert all(where[k] is not None and where[k][1] <= where["table"] for k in shown), where
-        assert where[description] is not None and where[description][0] < where["table"] - 50, where
+        assert page.js("document.body.innerText.includes('MLflow Assistant')")
         page.screenshot(tmp_path / "sweep.png")
-        # each job's F1, peak and state read rounded (as its description reads them), not the exact floats
+        # each job's method and optimizer as it recorded them; its F1, peak, samples/s and state read rounded
+        # (as its description reads them), not the exact floats
         for run in children:
             m, cells = run.data.metrics, shown_figures(page, run.info.run_id, shown[1:])
+            assert [cells[c] for c in job] == [run.data.params["method"], run.data.params["optim"]]
             assert cells["tags.`collapsed`"] == run.data.tags["collapsed"]
             assert {k: float(cells[f"metrics.`{k}`"]) for k in browse.DISPLAY} == browse.display_metrics(m)
             assert re.fullmatch(r"[01](\.\d{1,3})?", cells[copies[0]]), cells
-            assert cells[copies[2]] != str(m["optimizer_state_mb"]), cells  # 7.72, not 7.716724395751953
-            for figure, c in (("peak", copies[1]), ("state", copies[2])):
+            assert cells[copies[3]] != str(m["optimizer_state_mb"]), cells  # 7.72, not 7.716724395751953
+            assert cells[copies[2]] != str(m["train_samples_per_second"]), cells  # 288, not 287.6127...
+            for figure, c in (("peak", copies[1]), ("state", copies[3])):
                 assert f"{figure} {cells[c]} MB" in run.data.tags["mlflow.note.content"].replace(",", "")
         # sortable as numbers: its header sorts the jobs by peak, largest first
         page.js("document.querySelector('[data-testid=\"sort-header-Peak MB\"]').parentElement.click()")
@@ -331,6 +341,15 @@ def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, 
         columns = [c for c in columns if ".`" in c]
         assert columns[: len(expected)] == expected, columns
         assert not {"attributes.`Source`", "attributes.`Models`"} & set(columns)
+        # closed once, the Assistant panel stays closed (the browser keeps it: docs/mlflow.md): the table
+        # spans the page
+        page.size(1600, 900)
+        page.js("window.before_reload = true; location.reload()")
+        page.wait_for(
+            f"!window.before_reload && {row}.length > 0 && !!document.querySelector('.ag-root-wrapper')"
+        )
+        assert page.js("localStorage.getItem('mlflow.assistant.panelOpen_v1')") == "false"
+        assert edges(page, [])["table"] > 1400
     assert (tmp_path / "sweep.png").stat().st_size > 20_000
     if os.environ.get("DOCS_SCREENSHOTS"):
         DOCS_SHOT.write_bytes((tmp_path / "sweep.png").read_bytes())

@@ -15,6 +15,7 @@ from pipeline.report.tables import (
     decision_table,
     failed_table,
     fit_table,
+    pareto_front,
     point_columns,
     split_baseline,
 )
@@ -272,3 +273,24 @@ def test_a_full_rows_adapter_setting_is_empty_in_tables_and_labels():
         "adamw · bs 16 · lora r=16 · peft_alpha=16",
         "adamw · bs 16 · lora r=16 · peft_alpha=32",
     ]
+
+
+def test_the_front_passes_over_collapsed_rows_which_are_still_drawn(tmp_path):
+    # LoRA's model collapsed (its F1 the class balance's, 0.77): drawn hollow, off the front
+    rows = [
+        job("adamw", "full", eval_f1=0.8),
+        job("adamw", "lora r=16", eval_f1=0.77, collapsed=True),
+        job("adamw", "qlora r=16 nf4", eval_f1=0.6),
+    ]
+    table = compare(jobs_of(rows))
+    assert pareto_front(table).tolist() == [True, False, True]
+    assert pareto_front(table.drop(columns="collapsed [runs]")).tolist() == [True, True, True]
+    write_report(tmp_path, "t", [], jobs_of(rows), table, pd.DataFrame())
+    page = (tmp_path / "report.md").read_text()
+    front = "higher F1): adamw · bs 16 · full, adamw · bs 16 · qlora r=16 nf4. "
+    assert front + "Rows with a collapsed run " in page
+    assert page.count("drawn hollow and left off the front") == 1
+    assert (tmp_path / "f1_vs_peak.png").exists()
+    learned = [job("adamw", "full"), job("adamw", "lora r=16")]  # nothing collapsed: nothing to say
+    write_report(tmp_path, "t", [], jobs_of(learned), compare(jobs_of(learned)), pd.DataFrame())
+    assert "left off the front" not in (tmp_path / "report.md").read_text()

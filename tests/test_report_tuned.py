@@ -317,6 +317,16 @@ def test_the_report_files_hold_the_tuned_table_and_plots(tmp_path):
     assert "tuned learning rate" not in console_text(tmp_path, table)
 
 
+def test_the_tuned_front_counts_an_optimizer_whose_collapsed_run_was_at_another_rate(tmp_path):
+    jobs = jobs_of({("adamw", 1e-5): [0.6, 0.6], ("adamw", 1e-4): [0.9, 0.9], ("lion", 1e-4): [0.8, 0.8]})
+    jobs.loc[jobs.run_id == "adamw-1e-05-0", "collapsed"] = True
+    tuned = tuned_section(jobs)
+    assert row(tuned.table, "adamw")["collapsed [runs]"] == 1  # at 1e-5; its best rate, 1e-4, learned
+    write_report(tmp_path, "t", [], jobs, report.compare(jobs), pd.DataFrame(), tuned=tuned)
+    md = (tmp_path / "report.md").read_text()
+    assert "higher test macro-F1): adamw · bs 8." in md and "left off the front" not in md
+
+
 def test_the_cli_checks_the_tuned_options(capsys):
     with pytest.raises(SystemExit):
         report.main(["--target-fraction", "1.5"])

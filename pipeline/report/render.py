@@ -16,6 +16,7 @@ from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
     CLASSIFICATION,
+    COLLAPSED,
     FULL,
     KEY_LABELS,
     LEGEND,
@@ -267,14 +268,16 @@ def _tuned_note(tuned: Tuned, baseline: str) -> str:
 
 def _quality(task: str, rows: pd.DataFrame, tuned: Tuned | None) -> tuple[pd.DataFrame, str, str, str, bool]:
     """What a task's quality plot and Pareto front read: (frame, column, name, file, lower is better), from
-    the comparison's rows or, where rates were tuned, the tuned table's test figures."""
+    the comparison's rows or, where rates were tuned, the tuned table's test figures (a best rate's runs
+    never collapsed: its rows carry no collapsed count)."""
     if task == CAUSAL_LM:
         if tuned is not None:
             return tuned.table, "test perplexity", "test perplexity", "perplexity_vs_peak.png", True
         return rows, "eval perplexity", "eval perplexity", "perplexity_vs_peak.png", True
     if tuned is not None:
         label = METRIC_LABELS[tuned.metric]
-        return tuned.table, f"test {label} [0-1]", f"test {label}", "f1_vs_peak.png", False
+        best = tuned.table.drop(columns=COLLAPSED, errors="ignore")
+        return best, f"test {label} [0-1]", f"test {label}", "f1_vs_peak.png", False
     return rows, "eval F1 [0-1]", "eval F1", "f1_vs_peak.png", False
 
 
@@ -372,6 +375,11 @@ def write_report(
             f"Pareto front{whose} (no other point has less peak memory and a {'lower' if lower else 'higher'} "
             f"{better}): {front}."
         )
+        if COLLAPSED in quality and quality[COLLAPSED].fillna(0).gt(0).any():
+            front += (
+                " Rows with a collapsed run (predictions (nearly) all in one class) are drawn hollow and left "
+                "off the front."
+            )
         lead, shared = decision_table(rows) if len(rows) else (pd.DataFrame(), "")
         sections.append(
             Section(

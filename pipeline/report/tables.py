@@ -249,8 +249,11 @@ def pareto_front(
     table: pd.DataFrame, x: str = "peak [MB]", y: str = "eval F1 [0-1]", lower: bool = False
 ) -> pd.Series:
     """Rows no other row beats: none has x <= and y >= with one of them strict (less memory, higher F1);
-    `lower`: y is better when lower (a language model's perplexity or loss), none has y <= instead."""
+    `lower`: y is better when lower (a language model's perplexity or loss), none has y <= instead. A row
+    with a collapsed run (COLLAPSED) is never on the front: its quality is the class balance's."""
     points = table.dropna(subset=[x, y])
+    if COLLAPSED in points:
+        points = points[points[COLLAPSED].fillna(0).eq(0)]
     px, py = points[x].to_numpy(), points[y].to_numpy() * (-1 if lower else 1)
     # [i, j]: row j is at least as good as row i on both and better on one
     beats = (px <= px[:, None]) & (py >= py[:, None]) & ((px < px[:, None]) | (py > py[:, None]))
