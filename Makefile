@@ -166,13 +166,15 @@ postgres-up: install
 
 # the UI of the local store (mlflow ui on 127.0.0.1:$(UI_PORT)), opened on the experiment's runs in the
 # model-training view with the figures first: it prints that address (and opens it where a desktop browser is);
-# a server (MLFLOW_TRACKING_URI=http://...) serves its own UI: the address there is printed (docs/mlflow.md)
+# a server (MLFLOW_TRACKING_URI=http://...) serves its own UI: the address there is printed (docs/mlflow.md).
+# One Ctrl-C or SIGTERM (to make alone too) ends mlflow ui with its workers (pipeline.browse, make's own child)
 ui: install
-	$(BIN)/python -m pipeline.browse --tracking-uri "$(MLFLOW_UI_URI)" --port $(UI_PORT)
+	exec $(BIN)/python -m pipeline.browse --tracking-uri "$(MLFLOW_UI_URI)" --port $(UI_PORT)
 
 # the admin's password and the key that signs the UI's sessions come from the environment, never from a file;
 # a line "[server] ready: ..." once it answers (its workers take tens of seconds to start); MLflow's own import of
-# Starlette's deprecated WSGI middleware warns once per worker: filtered
+# Starlette's deprecated WSGI middleware warns once per worker: filtered. pipeline.browse runs the server: one
+# Ctrl-C or SIGTERM (to make alone too) ends it with its workers
 server: install
 	$(if $(MLFLOW_AUTH_ADMIN_PASSWORD),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is not set: export it (the password of the server's admin account, 12 characters or more; docs/mlflow.md)))
 	$(if $(shell test $${#MLFLOW_AUTH_ADMIN_PASSWORD} -ge 12 && echo ok),,$(error MLFLOW_AUTH_ADMIN_PASSWORD is too short: MLflow wants 12 characters or more))
@@ -181,9 +183,9 @@ server: install
 	@mkdir -p $(dir $(SERVER_AUTH_CONFIG))
 	@printf '[mlflow]\ndefault_permission = EDIT\ndatabase_uri = %s\nadmin_username = admin\nauth_cache_ttl_seconds = %s\n' \
 		"$(SERVER_AUTH_STORE)" "$(SERVER_AUTH_CACHE_S)" > $(SERVER_AUTH_CONFIG)
-	$(BIN)/python -m pipeline.browse --ready --tracking-uri http://127.0.0.1:$(SERVER_PORT) & \
 	MLFLOW_AUTH_CONFIG_PATH=$(SERVER_AUTH_CONFIG) MLFLOW_SERVER_ENABLE_JOB_EXECUTION=$(SERVER_JOB_EXECUTION) \
 		PYTHONWARNINGS="ignore:starlette.middleware.wsgi is deprecated" \
+		exec $(BIN)/python -m pipeline.browse --ready --tracking-uri http://127.0.0.1:$(SERVER_PORT) -- \
 		$(BIN)/mlflow server --app-name basic-auth \
 		--backend-store-uri "$(SERVER_STORE)" --artifacts-destination "$(SERVER_ARTIFACTS)" \
 		--host $(SERVER_HOST) --port $(SERVER_PORT) --workers $(SERVER_WORKERS) --allowed-hosts "$(SERVER_ALLOWED_HOSTS)"

@@ -16,19 +16,10 @@ if __name__ == "__main__":
     starter.prestart_from_command(sys.argv[1:])
 
 import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from pipeline import quiet, runner, sweep  # noqa: E402
-from pipeline.config import (  # noqa: E402
-    CONF_DIR,
-    ConfigError,
-    check_group_overrides,
-    own_model,
-    unused_custom_optim,
-    validate,
-)
+from pipeline.config import CONF_DIR, ConfigError, check_group_overrides, own_model  # noqa: E402
 from pipeline.keys import check_keys  # noqa: E402
 
 # `--help`: one line per config group (conf/config.yaml's hydra.help.template calls ${config_groups:})
@@ -61,21 +52,11 @@ OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    gc.enable()  # (off while the command started)
+    gc.enable()  # (off while the command started; a single run's config was checked: SweepCallback)
     try:  # a model of one's own (model.config): its catalog entry, what the run's name, params and job read
         cfg = own_model(cfg)
     except ConfigError:
-        pass  # validate says it: a single run stops, a sweep's point fails
-    if HydraConfig.get().mode == RunMode.RUN:
-        # a single run fails fast on bad input; in a sweep, a bad point becomes a FAILED run and the rest go on
-        try:
-            validate(cfg)
-            unused = unused_custom_optim(cfg, [HydraConfig.get().runtime.choices.get("optim")])
-            if unused is not None:
-                raise unused
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
+        pass  # a sweep's point fails with the check's line
     try:  # this process's library noise too: plan=true jobs run here
         quiet.install(quiet.log_level(cfg))
     except ValueError:
@@ -109,6 +90,8 @@ if __name__ == "__main__":
     except SystemExit as err:
         if err.code == 1:  # Hydra reported a crash of the launching process
             sweep.mark_failed()
+        if err.code == 2:  # rejected (bad input, a store that cannot be opened): it leaves no folder
+            sweep.remove_new()
         raise
     code = sweep.RESULT.finish()
     # all recorded and printed: the collections of the whole heap the interpreter makes as it ends (MLflow's,

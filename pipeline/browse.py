@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from pipeline.tracking import (
     LOCAL_UI,
@@ -205,23 +208,92 @@ def server_answers(url: str, timeout: float = 3) -> bool:
 
 
 READY_WAIT_S = 600  # how long --ready waits for a starting server
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_WAIT_S = 20  # how long a stopped server's processes get to end before SIGKILL
+
+
+def ready_line(url: str) -> str:
+    return (
+        f"[server] ready: {url} answers (its UI at {url}/#/experiments; teammates record with "
+        "MLFLOW_TRACKING_URI=http://<this host>:<port>, docs/mlflow.md)"
+    )
+
+
+def late_line(url: str) -> str:
+    return f"[server] {url} did not answer within {READY_WAIT_S} s: see its log above"
 
 
 def announce_ready(url: str) -> int:
-    """`make server`'s ready line: printed once the server at `url` answers its health check (its workers
-    start in tens of seconds); 1, and a line saying so, when it does not within READY_WAIT_S."""
+    """The ready line, printed once the server at `url` answers its health check (its workers start in tens
+    of seconds); 1, and a line saying so, when it does not within READY_WAIT_S."""
     deadline = time.monotonic() + READY_WAIT_S
     while not server_answers(url, timeout=1):
         if time.monotonic() > deadline:
-            print(f"[server] {url} did not answer within {READY_WAIT_S} s: see its log above", flush=True)
+            print(late_line(url), flush=True)
             return 1
         time.sleep(1)
-    print(
-        f"[server] ready: {url} answers (its UI at {url}/#/experiments; teammates record with "
-        "MLFLOW_TRACKING_URI=http://<this host>:<port>, docs/mlflow.md)",
-        flush=True,
-    )
+    print(ready_line(url), flush=True)
     return 0
+
+
+def blocked_stops(pid: int) -> set[int]:
+    """The stop signals process `pid` blocks now (/proc/<pid>/status); none where that cannot be read."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return set()
+    found = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    mask = int(found[1], 16) if found else 0
+    return {sig for sig in STOP_SIGNALS if mask >> (sig - 1) & 1}
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group `proc` leads (a server and its workers), SIGKILL to what is left of it
+    after STOP_WAIT_S; returns once none of it is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            proc.poll()  # (a leader ended but not reaped still counts as one of the group)
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    proc.wait()
+
+
+def supervise(command: list[str], env: dict, url: str, on_ready) -> int:
+    """Run a server's `command` in a process group of its own until it ends, or until this process is told to
+    stop: SIGINT, SIGTERM or SIGHUP, or its parent handling one of them (make, sent SIGINT or SIGHUP alone,
+    blocks it and waits for its recipe without passing it on), or its parent gone. Then the server's whole
+    group ends (end_group): its workers too, its port free. `on_ready()` runs once the server at `url`
+    answers. 0 when stopped, else the server's exit code (128 + the signal that ended it)."""
+    stops: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
+    parent = os.getppid()
+    held = blocked_stops(parent)  # what the parent blocks anyway
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    ready, deadline = False, time.monotonic() + READY_WAIT_S
+    try:
+        while (ended := proc.poll()) is None and not stops and os.getppid() == parent:
+            if blocked_stops(parent) - held:
+                break
+            if not ready and server_answers(url, timeout=1):
+                ready = True
+                on_ready()
+            elif not ready and time.monotonic() > deadline:
+                ready = True
+                print(late_line(url), flush=True)
+            time.sleep(0.5)
+    finally:
+        end_group(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if ended is None else ended if ended >= 0 else 128 - ended
 
 
 def can_open_browser() -> bool:
@@ -232,27 +304,21 @@ def can_open_browser() -> bool:
 
 
 def serve(uri: str, host: str, port: int, url: str, open_browser: bool) -> int:
-    """`mlflow ui` on the store (one worker: one person browsing) until Ctrl-C; the page opens in a browser
-    once the server answers, where there is one."""
+    """`mlflow ui` on the store (one worker: one person browsing) until Ctrl-C or SIGTERM, which stop its
+    server and workers too (supervise); the page opens in a browser once the server answers, where there is
+    one."""
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     command += ["--host", host, "--port", str(port), "--workers", "1"]
     # without MLflow's GenAI job runners (six processes, about 17 s of CPU at each start; browsing runs needs none)
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
-    proc = subprocess.Popen(command, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while open_browser and proc.poll() is None and time.monotonic() < deadline:
-            if server_answers(f"http://{host}:{port}", timeout=1):
-                import webbrowser
 
-                webbrowser.open(url)
-                break
-            time.sleep(0.5)
-        return proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached `mlflow ui` too: let it stop
-        proc.terminate()
-        proc.wait()
-        return 0
+    def opened() -> None:
+        if open_browser:
+            import webbrowser
+
+            webbrowser.open(url)
+
+    return supervise(command, env, f"http://{host}:{port}", opened)
 
 
 def main(argv=None) -> int:
@@ -271,9 +337,20 @@ def main(argv=None) -> int:
     parser.add_argument("--no-serve", action="store_true", help="print the address only")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
     parser.add_argument(
-        "--ready", action="store_true", help="wait until the server at --tracking-uri answers, say so, exit"
+        "--ready",
+        action="store_true",
+        help="say when the server at --tracking-uri answers; with a server's command after --, run it until "
+        "Ctrl-C or SIGTERM (make server), else exit once it answers",
     )
+    argv, command = sys.argv[1:] if argv is None else list(argv), []
+    if "--" in argv:
+        argv, command = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = parser.parse_args(argv)
+    if args.ready and not args.tracking_uri:
+        parser.error("--ready needs --tracking-uri (the server's address)")
+    if args.ready and command:
+        url = args.tracking_uri
+        return supervise(command, dict(os.environ), url, lambda: print(ready_line(url), flush=True))
     if args.ready:
         return announce_ready(args.tracking_uri)
     uri = store_uri(args.tracking_uri, "outputs")

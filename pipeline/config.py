@@ -63,14 +63,14 @@ def unused_custom_optim(cfg: DictConfig, optims: list) -> ConfigError | None:
 
 
 def did_you_mean(value, names) -> str:
-    """`; did you mean adamw?` when one allowed name is close to a misspelt value, else ''."""
+    """`did you mean adamw? ` when one allowed name is close to a misspelt value, else ''."""
     close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1)
-    return f"; did you mean {close[0]}?" if close else ""
+    return f"did you mean {close[0]}? " if close else ""
 
 
 def allowed(value, names) -> str:
-    """The end of an unknown-name message: the choices, and the closest one when it is close."""
-    return f"allowed values are {', '.join(names)}{did_you_mean(value, names)}"
+    """The end of an unknown-name message: the closest choice first when one is close, then the choices."""
+    return f"{did_you_mean(value, names)}allowed values are {', '.join(names)}"
 
 
 def search_dirs(argv: list[str]) -> tuple[list[Path], bool]:

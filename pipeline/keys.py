@@ -110,12 +110,12 @@ def unknown_key_error(key: str, text: str, tree: dict) -> ConfigError | None:
             siblings = [str(k) for k in node]
             near = difflib.get_close_matches(part, siblings, n=1)
             close = (
-                f"; did you mean {'.'.join([*parts[:i], near[0]])}?"
+                f"did you mean {'.'.join([*parts[:i], near[0]])}? "
                 if near
                 else did_you_mean(key, _leaves(tree))
             )
             return ConfigError(
-                f"{text} is invalid: no key {part} {where} (its keys: {', '.join(siblings)}){close}", (key,)
+                f"{text} is invalid: no key {part} {where}; {close}its keys: {', '.join(siblings)}", (key,)
             )
         node = node[part]
     return None
@@ -171,5 +171,5 @@ def check_keys(argv: list[str]) -> None:
             )
             if err is not None:
                 if len(options.get(root, [])) > 1:
-                    err = ConfigError(str(err).replace(f" in {root} ", f" in {root}={option} ", 1), err.keys)
+                    err = ConfigError(str(err).replace(f" in {root};", f" in {root}={option};", 1), err.keys)
                 raise err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class SweepResult:
 # run the jobs in other processes)
 RESULT = SweepResult()
 ACTIVE: dict = {}  # the ids of the sweep this (launching) process opened, for an interrupt
+NEW: list[tuple[Path, Path]] = []  # a folder this command makes, and the top one making it creates (note_new)
 
 
 def sweep_ids(sweep_dir: Path) -> dict | None:
@@ -128,6 +130,32 @@ def claim_sweep_dir(config: DictConfig) -> None:
             name = f"{base.name}-{n}"
     cache["now"][key] = name
     OmegaConf.set_cache(config, cache)
+
+
+def note_new(folder: Path) -> None:
+    """Note `folder` as this command's own when it does not exist yet (Hydra is about to make it, with its
+    missing parents): a rejected command removes it (remove_new). A folder that exists already is not noted."""
+    folder = Path(folder).absolute()
+    if folder.exists():
+        return
+    top = folder
+    while not top.parent.exists():
+        top = top.parent
+    NEW.append((folder, top))
+
+
+def remove_new() -> None:
+    """What a rejected command made goes: each folder note_new noted, and the parents made with it while they
+    are empty (a folder another command put beside it stays)."""
+    for folder, top in NEW:
+        shutil.rmtree(folder, ignore_errors=True)
+        while folder != top:
+            folder = folder.parent
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+    NEW.clear()
 
 
 def summary_table(runs) -> str:
@@ -315,6 +343,12 @@ def sweep_metric(config: DictConfig) -> str:
     return OmegaConf.select(config, "eval.metric", default=browse.METRIC)
 
 
+def reject(err: Exception) -> None:
+    """Stop the command on bad input: one line, exit code 2."""
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
 def scheduled(config: DictConfig) -> None:
     """Before a SLURM sweep opens anything: submitit's sacct warnings off a quiet console, and a request sbatch
     would refuse stopped with one line naming the key to set (exit code 2)."""
@@ -327,12 +361,26 @@ def scheduled(config: DictConfig) -> None:
     params.pop("_target_", None)
     err = slurm.signal_delay_error(params) or slurm.refusal(params, jobs=1)
     if err is not None:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        reject(err)
 
 
 class SweepCallback(Callback):
-    """Opens the sweep's parent run before the first job and closes it after the last one."""
+    """Checks a single run's config before Hydra makes its folder; opens a sweep's parent run before the first
+    job and closes it after the last one."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        """A single run's bad input stops the command before its folder is made (in a sweep, a bad point becomes
+        a FAILED run and the rest go on); the folder Hydra makes next is noted (note_new)."""
+        from pipeline.config import ConfigError, unused_custom_optim, validate
+
+        try:
+            validate(config)
+            unused = unused_custom_optim(config, [config.hydra.runtime.choices.get("optim")])
+            if unused is not None:
+                raise unused
+        except ConfigError as err:
+            reject(err)
+        note_new(Path(str(config.hydra.run.dir)))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         from pipeline.config import ConfigError, check_tracking_uri
@@ -344,25 +392,20 @@ class SweepCallback(Callback):
         except ConfigError as error:
             err = error
         if err is not None:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
+            reject(err)
         if OmegaConf.select(config, "launcher.name") == "slurm":
             scheduled(config)  # sbatch would refuse the jobs: one line, before any run opens
         if OmegaConf.select(config, "launcher.name") in ("slurm", "submitit_local"):
             from pipeline import scheduled as submitted
 
             submitted.collect_each()  # a job that leaves no result is its point's outcome alone
-        claim_sweep_dir(config)  # another sweep started in the same second has its own folder
-        sweep_dir = Path(config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
         if OmegaConf.select(config, "launcher.name") == "local":  # its jobs start from this process
             runner.prestart(config)  # the job starter imports while this process opens the store
         try:  # a store that cannot be opened or refuses this client: one line naming it and the fix
             tracker = Tracker.for_config(config)
             experiment_id = tracker.experiment_id(config.tracking.experiment)
         except StoreError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            reject(error)
         try:  # the runs an earlier sweep left RUNNING as it died (its points run again, or were done)
             lost = close_lost(tracker, experiment_id)
             if lost:
@@ -371,6 +414,10 @@ class SweepCallback(Callback):
                 )
         except Exception as error:
             print(f"[sweep] runs left RUNNING not checked ({journal.first_line(error)})", file=sys.stderr)
+        # the sweep's folder once nothing can reject the command
+        claim_sweep_dir(config)  # another sweep started in the same second has its own folder
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
         overrides = " ".join(config.hydra.overrides.task)
         metric = sweep_metric(config)
         parent = tracker.start_run(

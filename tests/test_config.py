@@ -48,7 +48,7 @@ def test_every_config_file_composes(group, name):
         ("train.max_length=1000", "train.max_length=1000 is invalid: model minilm takes at most 512 tokens"),
         (
             "optim.name=adamx",
-            f"optim.name='adamx' is invalid: allowed values are {', '.join(REGISTRY)}; did you mean adamw?",
+            f"optim.name='adamx' is invalid: did you mean adamw? allowed values are {', '.join(REGISTRY)}",
         ),
         (
             "backend.name=deepspeed",
@@ -80,7 +80,7 @@ def test_cli_bad_value_is_one_line_and_fast(tmp_path):
     elapsed = time.perf_counter() - start
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: batch_size=-1 is invalid: must be a positive integer"
-    assert not (tmp_path / "mlflow.db").exists()
+    assert list(tmp_path.iterdir()) == []  # no store, no run folder
     print(f"bad override answered in {elapsed:.2f} s")
 
 

@@ -2,20 +2,23 @@
 table of targets, at the smallest settings that still go through its real code, or that table says in one line why
 not. The list comes from the Makefile itself, so a new target without a smoke run fails here. The smoke runs that
 no other file holds are below: `make bench ARGS=--smoke`, `make plan-accuracy` on one case, the servers that run
-until Ctrl-C (started, asked once, stopped with nothing left), `make lint`, `make clean`."""
+until Ctrl-C (started, asked once, stopped with nothing left), `make ui` and `make server` stopped by one signal to
+make, `make lint`, `make clean`."""
 
 import ast
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, running
+from tests.conftest import cli_env, free_port, running
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKE = ["make", "-s", "-o", ".venv/.installed"]  # the install step taken as done: the suite runs in .venv
@@ -201,3 +204,99 @@ def test_make_slurm_up_serves_until_ctrl_c_and_leaves_nothing(tmp_path):
     )
     assert asked.returncode == 0 and asked.stdout.strip() == "idle", asked.stdout + asked.stderr
     ctrl_c(proc, log, Path(conf).parent)
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (its children, theirs, ...), by /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return [p for p in found if running(p)]
+
+
+def port_free(port: int) -> bool:
+    """Whether a new server could listen on `port` (as servers bind: SO_REUSEADDR, so that connections
+    closed moments ago do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+SECRETS = {
+    "MLFLOW_AUTH_ADMIN_PASSWORD": "admin-password-for-tests",
+    "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-key",
+}
+
+
+@pytest.mark.slow  # mlflow ui or mlflow server starts in 10-30 s on 2 busy cores
+@pytest.mark.parametrize(
+    ("target", "sig"),
+    [("ui", signal.SIGTERM), ("ui", signal.SIGINT), ("server", signal.SIGTERM)],
+    ids=["ui-SIGTERM", "ui-SIGINT", "server-SIGTERM"],  # (the server's recipe stops the same way on either)
+)
+def test_make_ui_and_make_server_stop_with_one_signal_to_make(target, sig, tmp_path):
+    """One SIGTERM or SIGINT to make alone (not to its group: make passes SIGTERM on to its recipe, not SIGINT)
+    ends make, its recipe's process and the MLflow server under it with its workers, and frees the port. (Run
+    in the background of a non-interactive shell, make ignores SIGINT: see docs/testing.md.)"""
+    port, env = free_port(), cli_env()
+    if target == "ui":
+        variables = [f"UI_PORT={port}", f"MLFLOW_UI_URI=sqlite:///{tmp_path}/mlflow.db"]
+    else:
+        env = {**{k: v for k, v in env.items() if not k.startswith("MLFLOW_")}, **SECRETS}
+        variables = [f"SERVER_PORT={port}", "SERVER_WORKERS=1", "SERVER_HOST=127.0.0.1"]
+        variables += [
+            f"SERVER_STORE=sqlite:///{tmp_path}/mlflow.db",
+            f"SERVER_ARTIFACTS={tmp_path}/artifacts",
+        ]
+        variables += [
+            f"SERVER_AUTH_STORE=sqlite:///{tmp_path}/auth.db",
+            f"SERVER_AUTH_CONFIG={tmp_path}/auth.ini",
+        ]
+    log = tmp_path / "make.log"
+    proc = subprocess.Popen(
+        [*MAKE, target, *variables],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3, tree  # pipeline.browse, the mlflow command, its uvicorn server
+        started = time.monotonic()
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=60) == -sig, log.read_text()[-3000:]
+        while [p for p in tree if running(p)] and time.monotonic() - started < 60:
+            time.sleep(0.2)
+        assert not [p for p in tree if running(p)], log.read_text()[-3000:]
+        assert port_free(port)
+        print(f"make {target}: {sig.name} to make, all gone in {time.monotonic() - started:.1f} s")
+    finally:
+        for pid in [proc.pid, *tree]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()

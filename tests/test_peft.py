@@ -160,7 +160,7 @@ def test_full_fine_tuning_keeps_the_config_hash_of_earlier_points():
 
 def test_one_sweep_sets_the_adapters_keys_for_every_method():
     check_keys(["peft=none,lora,qlora", "peft.r=8", "peft.quant_type=fp4"])  # every option has every key
-    with pytest.raises(ConfigError, match=r"^peft.rank=8 is invalid: no key rank in peft=none "):
+    with pytest.raises(ConfigError, match=r"^peft.rank=8 is invalid: no key rank in peft=none;"):
         check_keys(["peft=none,lora", "peft.rank=8"])
 
 

@@ -117,7 +117,7 @@ def test_cpu_cores_are_split_between_parallel_jobs_and_their_ranks():
         (["launcher.nproc_per_job=-2"], "launcher.nproc_per_job=-2 is invalid: must be a positive integer"),
         (
             ["train.sharding=zero3"],
-            "train.sharding='zero3' is invalid: allowed values are none, zero1, zero2, fsdp; did you mean zero2?",
+            "train.sharding='zero3' is invalid: did you mean zero2? allowed values are none, zero1, zero2, fsdp",
         ),
         (
             ["train.sharding=zero1"],

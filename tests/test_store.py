@@ -146,7 +146,14 @@ def test_a_corrupt_store_is_one_line_for_a_sweep_a_single_run_the_report_and_the
             f"MLflow can read (file is not a database): move it aside (e.g. mv {corrupt} {corrupt}.broken) "
             "for a fresh store, or point tracking.uri at another file"
         ], proc.stderr[-2000:]
-    assert not list(tmp_path.glob("multirun/*/mlflow_sweep.json"))  # no sweep opened
+    # no run's or sweep's folder left (the store's lock file is made as it is opened)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
+    # a run folder that existed before stays, with what was in it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert run_cli(tmp_path, *PLAN, f"hydra.run.dir={mine}").returncode == 2
+    assert (mine / "notes.txt").read_text() == "kept"
 
 
 # ---- the team server: make server ------------------------------------------------------------------------
