@@ -266,6 +266,15 @@ def end_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _end_with_parent() -> None:
+    """In the server's process, before it starts: SIGTERM to it when the process that started it dies, even
+    by SIGKILL, which leaves no time to end its group (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def supervise(command: list[str], env: dict, url: str, on_ready) -> int:
     """Run a server's `command` in a process group of its own until it ends, or until this process is told to
     stop: SIGINT, SIGTERM or SIGHUP, or its parent handling one of them (make, sent SIGINT or SIGHUP alone,
@@ -276,7 +285,7 @@ def supervise(command: list[str], env: dict, url: str, on_ready) -> int:
     previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
     parent = os.getppid()
     held = blocked_stops(parent)  # what the parent blocks anyway
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    proc = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_end_with_parent)
     ready, deadline = False, time.monotonic() + READY_WAIT_S
     try:
         while (ended := proc.poll()) is None and not stops and os.getppid() == parent:

@@ -353,3 +353,29 @@ def test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen(sweep, ui, 
     assert (tmp_path / "sweep.png").stat().st_size > 20_000
     if os.environ.get("DOCS_SCREENSHOTS"):
         DOCS_SHOT.write_bytes((tmp_path / "sweep.png").read_bytes())
+
+
+def test_a_server_ends_when_the_process_that_supervises_it_is_killed(tmp_path):
+    """SIGKILL to the process serving a store (make ui's) leaves it no time to end the server's group: the
+    server, started with PR_SET_PDEATHSIG, gets SIGTERM from the kernel and ends too."""
+    server = tmp_path / "server.pid"
+    # a stand-in for the server: it writes its pid and sleeps until told to stop
+    command = [
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(server)!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+    ]
+    script = f"from pipeline import browse; browse.supervise({command!r}, {{}}, 'http://127.0.0.1:9', lambda: None)"
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (server.exists() and server.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pid = int(server.read_text())
+        proc.kill()
+        proc.wait()
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}"), "the server outlived its supervisor"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if os.path.exists(f"/proc/{proc.pid}") else None
