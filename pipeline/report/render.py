@@ -354,7 +354,7 @@ def write_report(
             captions["f1_vs_peak.png"] = TUNED_F1_CAPTION.format(label, label)
         # with tuned rates, quality is compared at each optimizer's best rate: the quality picture uses those
         quality, y, name, file, lower = _quality(task, rows, task_tuned)
-        if not rows.empty and y in quality and quality[y].notna().any():
+        if not rows.empty and y in quality and quality[y].notna().sum() >= 2:  # one point: the table says it
             plot_f1_peak(quality, colors, out / file, y, name, lower)
         if not rows.empty and task_tuned is not None:
             lm = task == CAUSAL_LM
@@ -398,7 +398,7 @@ def write_report(
     if not table.empty:
         plot_state(table, colors, out / "state_mb.png")
         plot_peak(table, colors, out / "peak_memory.png")
-        if not history.empty:
+        if not history.empty and history.groupby("run_id").step.nunique().max() >= 2:  # a curve to draw
             plot_losses(history, jobs, colors, out / "train_loss.png")
         if table["throughput [tokens/s]"].notna().any():
             plot_throughput(table, colors, out / "throughput.png")
