@@ -20,10 +20,26 @@ class StateSize:
 
 
 def learning_rate(cfg) -> float:
-    """The peak learning rate a job trains with: `train.lr` (by default the optimizer's reference rate,
-    `optim.lr`) times `train.lr_scale`, to 12 significant digits (5e-5 x 3.16 is 0.000158, not the float
+    """The peak learning rate a job trains with: `train.lr` (by default the job's reference rate,
+    reference_lr) times `train.lr_scale`, to 12 significant digits (5e-5 x 3.16 is 0.000158, not the float
     product's 0.00015800000000000002, in params, logs and the report)."""
     return float(f"{cfg.train.lr * cfg.train.get('lr_scale', 1.0):.12g}")
+
+
+def reference_lr(lr: float, *, _root_) -> float:
+    """train.lr's default: the optimizer's reference rate `lr` (optim.lr, tuned on the pretrained MiniLM); for a
+    language model with random weights (task=causal_lm, model.pretrained=false) that times
+    task.random_weights_lr_scale, at which such a model learns within a short run. An optimizer that estimates
+    its own step size (Prodigy) keeps its rate."""
+    from pipeline.optimizers import REGISTRY
+
+    spec = REGISTRY.get(OmegaConf.select(_root_, "optim.name", default=""))
+    scale = 1.0
+    if not OmegaConf.select(_root_, "model.pretrained", default=True) and not (
+        spec and spec.estimates_step_size
+    ):
+        scale = OmegaConf.select(_root_, "task.random_weights_lr_scale", default=1.0)
+    return float(f"{lr * scale:.12g}")
 
 
 # task=causal_lm: what becomes of the data's label column (each run's tag `labels`, and a sweep's console once)
@@ -45,3 +61,4 @@ def custom_optim(part: str, *, _root_) -> str:
 
 
 OmegaConf.register_new_resolver("custom_optim", custom_optim, replace=True)
+OmegaConf.register_new_resolver("reference_lr", reference_lr, replace=True)

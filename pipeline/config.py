@@ -19,6 +19,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline import adapters
 from pipeline.data import FILE_BUILDERS, PACKAGED, TEXT_ONLY
+from pipeline.eval_sample import AUTO
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
 from pipeline.slurm import cpus_per_task as _slurm_resolvers  # noqa: F401 (registers conf/launcher/slurm.yaml's)
@@ -492,6 +493,9 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_frozen_base, cfg)
     yield partial(_check_in_backward, cfg)
     yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
+    # task=causal_lm's, which train.lr reads
+    if OmegaConf.select(cfg, "task.random_weights_lr_scale") is not None:
+        yield partial(_check, cfg, "task.random_weights_lr_scale", _positive_number, "must be a number > 0")
     yield partial(
         _check,
         cfg,
@@ -511,6 +515,13 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     )
     yield partial(
         _check, cfg, "eval.collapse_share", lambda v: isinstance(v, Real) and 0 < v <= 1, "must be in (0, 1]"
+    )
+    yield partial(
+        _check,
+        cfg,
+        "eval.sample",
+        lambda v: v == AUTO or _null_or(_positive_int)(v),
+        f"must be {AUTO}, null (all) or a positive integer",
     )
     yield partial(
         _check,

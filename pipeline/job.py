@@ -9,6 +9,7 @@ MLflow is left to the runner.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -28,11 +29,14 @@ def load(cfg: DictConfig):
     """The job's tokenizer, tokenized splits (their `inputs`: the splits as read, for MLflow) and model."""
     import torch
 
-    from pipeline import adapters, data, models
+    from pipeline import adapters, data, eval_sample, models
 
     # the data first: the model's classes are the splits' labels; then the tokenizer and the model, whose
     # vocabulary the tokenized splits keep to
     splits = data.read_splits(cfg.data, cfg.outputs_dir, cfg.task.name)  # (`inputs`: as read, for MLflow)
+    splits, sampled = eval_sample.cut(cfg, splits)  # a short run evaluates on a sample
+    if sampled and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[job] {sampled}", flush=True)
     labels = splits.label_names
     tokenizer = models.load_tokenizer(cfg.model)
     # where the job trains: random weights are made there, qlora's 4-bit base is quantized there
@@ -155,18 +159,37 @@ def collapse_line(cfg, metrics: dict, tags: dict) -> str | None:
     return f"collapsed: {share:.0%} of the predictions in one class, the model did not learn; {hint}"
 
 
+def hardly_learned_line(metrics: dict, tags: dict) -> str | None:
+    """What a language model that hardly learned (tag hardly_learned: its loss near a uniform guess's) says on
+    the console: how near, and what to try; None for any other run."""
+    if tags.get("hardly_learned") != "true":
+        return None
+    which, loss = (
+        ("eval", metrics["eval_loss"])
+        if "eval_loss" in metrics
+        else ("training", metrics["train_loss_final"])
+    )
+    uniform = loss / metrics["loss_vs_uniform"]  # ln(vocabulary size)
+    return (
+        f"hardly learned: its {which} loss, {loss:.2f} nats, is {metrics['loss_vs_uniform']:.0%} of a uniform "
+        f"guess's over the vocabulary, ln({round(math.exp(uniform)):,}) = {uniform:.2f}; try more steps "
+        "(train.max_steps) or a larger rate (train.lr_scale=3,10 in a sweep)"
+    )
+
+
 def run_description(metrics: dict, tags: dict | None = None) -> str:
     """The run's description in MLflow: the figures that decide, within the 50 characters the runs table
     shows (its tooltip and the run page show all of it): `state 7.72 MB, peak 22.9 MB, F1 0.727`, and
     ` (collapsed)` where (nearly) every prediction fell in one class (tag collapsed: its F1 measures the
-    class balance, not a trained model)."""
-    m = metrics
+    class balance, not a trained model), ` (hardly learned)` for a language model near a uniform guess."""
+    m, tags = metrics, tags or {}
     if "optimizer_state_mb" not in m or not ("eval_f1" in m or "eval_perplexity" in m):
         return result_line(m)
-    collapsed = " (collapsed)" if (tags or {}).get("collapsed") == "true" else ""
+    marks = {"collapsed": " (collapsed)", "hardly_learned": " (hardly learned)"}
+    mark = "".join(text for tag, text in marks.items() if tags.get(tag) == "true")
     return (
         f"state {short_mb(m['optimizer_state_mb'])} MB, peak {short_mb(m['peak_memory_mb'])} MB, "
-        f"{quality_text(m)}{collapsed}"
+        f"{quality_text(m)}{mark}"
     )
 
 
@@ -191,9 +214,12 @@ def main(job_dir: Path) -> int:
         return 0
     (job_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     print(f"[job] {result_line(result['metrics'])}", flush=True)
-    collapsed = collapse_line(cfg, result["metrics"], result["tags"])
-    if collapsed:
-        print(f"[job] {collapsed}", flush=True)
+    for line in (
+        collapse_line(cfg, result["metrics"], result["tags"]),
+        hardly_learned_line(result["metrics"], result["tags"]),
+    ):
+        if line:
+            print(f"[job] {line}", flush=True)
     return 0
 
 

@@ -5,6 +5,7 @@ the steady steps, the eval figures, and the per-rank figures of a multi-process 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -12,7 +13,16 @@ from typing import NamedTuple
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import LABELS_IGNORED, StateSize, adapters, cache, cuda_reductions, distributed, optimizers
+from pipeline import (
+    LABELS_IGNORED,
+    StateSize,
+    adapters,
+    cache,
+    cuda_reductions,
+    distributed,
+    models,
+    optimizers,
+)
 from pipeline.memory import peak_rss_mb
 from pipeline.state import optimizer_state_size, paged_state_size
 from pipeline.timing import StepTimer, peak_flops
@@ -34,6 +44,11 @@ def job_tags(spec, device: str) -> dict[str, str]:
     if spec.compiles_step and not spec.compiled_on(torch.device(device).type):
         tags["optim_compiled"] = "false: eager on CPU, where the tensor-level peak tracker is active"
     return tags
+
+
+# a language model whose final loss (eval, else training) is at least this share of a uniform guess's, ln(vocabulary
+# size), is tagged hardly_learned=true
+HARDLY_LEARNED = 0.8
 
 
 def warmup_steps(cfg) -> int:
@@ -321,6 +336,10 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()
     if splits.task == "causal_lm":
         tags["labels"] = LABELS_IGNORED
+        # how far the loss is from a uniform guess over the vocabulary (ln V nats): a model near it hardly learned
+        loss = metrics.get("eval_loss", metrics["train_loss_final"])
+        metrics["loss_vs_uniform"] = loss / math.log(models.vocab_size(model))
+        tags["hardly_learned"] = str(metrics["loss_vs_uniform"] >= HARDLY_LEARNED).lower()
     if method:
         tags["prediction_method"] = method
     if spec.name == "custom":  # how its estimate was found (there is no analytic model of it)

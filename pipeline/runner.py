@@ -22,8 +22,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import adapters, learning_rate, liveness
+from pipeline import adapters, learning_rate, liveness, reference_lr
 from pipeline.config import ConfigError, validate
+from pipeline.eval_sample import eval_sample
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 from pipeline.optimizers import ADDED_SETTINGS
 
@@ -72,11 +73,14 @@ def job_params(cfg: DictConfig) -> dict:
         "seed": cfg.seed,
         "lr": learning_rate(cfg),
         "lr_scale": cfg.train.lr_scale,
-        # the optimizer's reference rate (conf/optim/<name>.yaml `lr`), and whether this job ran at it where
-        # a tuning sweep picked it (`lr_tuned: true`): the report names the optimizers that did not
-        "lr_reference": cfg.optim.lr,
+        # the job's reference rate (conf/optim/<name>.yaml `lr`; a language model with random weights: that x
+        # task.random_weights_lr_scale), and whether this job ran at the optimizer's where a tuning sweep picked
+        # it (`lr_tuned: true`): the report names the optimizers that did not
+        "lr_reference": reference_lr(cfg.optim.lr, _root_=cfg),
         "lr_tuned": bool(cfg.optim.get("lr_tuned", False)) and learning_rate(cfg) == cfg.optim.lr,
         "max_steps": cfg.train.max_steps,
+        # the most texts of each evaluation split evaluated on (eval.sample; None: all the data keeps)
+        "eval_sample": eval_sample(cfg),
         "max_length": cfg.train.max_length,
         "weight_decay": cfg.train.weight_decay,
         "pretrained": cfg.model.pretrained,
@@ -320,6 +324,12 @@ def config_hash(cfg: DictConfig) -> str:
     ):
         if point[group].get(key, unset) == unset:
             point[group].pop(key, None)
+    # eval.sample counts as what it comes to: a run that evaluates on all the data keeps is the point it was
+    point["eval"].pop("sample", None)
+    if eval_sample(cfg) is not None:
+        point["eval"]["sample"] = eval_sample(cfg)
+    # task.random_weights_lr_scale counts in train.lr, the rate it makes
+    point.get("task", {}).pop("random_weights_lr_scale", None)
     # train.lr is the rate itself (resolved): a changed reference rate in conf/optim makes new points, and
     # runs from before the validation split (data.val_fraction) trained on more data: they are other points
     nproc = cfg.launcher.get("nproc_per_job", 1)

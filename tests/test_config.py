@@ -55,11 +55,16 @@ def test_every_config_file_composes(group, name):
             "backend.name='deepspeed' is invalid: allowed values are trainer, accelerator",
         ),
         ("seed=-1", "seed=-1 is invalid: must be an integer >= 0"),
+        ("eval.sample=some", "eval.sample='some' is invalid: must be auto, null (all) or a positive integer"),
+        (
+            "task=causal_lm model=llama-tiny task.random_weights_lr_scale=abc",
+            "task.random_weights_lr_scale='abc' is invalid: must be a number > 0",
+        ),
     ],
 )
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError) as err:
-        validate(compose_cfg(override))
+        validate(compose_cfg(*override.split()))
     assert str(err.value) == message
 
 

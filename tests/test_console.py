@@ -14,7 +14,7 @@ NOISE = ("Failed to load", "is an Enum subclass", "Detected no triton", "LOAD RE
 # the sweep's own lines: Hydra's launch lines, ours, MLflow's creating a new store, the tables
 OURS = re.compile(
     r"^(\[sweep\]|\[job\]|\[transformers\] \w+: the classification head|\[[\d\- :,]+\]\[HYDRA\]|"
-    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |\s*\d+%\||\(|verdict: |plan:|\s*model |"
+    r"\d{4}/\d\d/\d\d [\d:]+ INFO mlflow\.store|train: |eval: |val: |\s*\d+%\||\(|verdict: |plan:|\s*model |"
     r"\s*(minilm|tiny|distilbert-base-cased) |[\w.-]+: [\d,]+ parameters )"
 )
 

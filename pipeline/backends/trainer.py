@@ -83,17 +83,22 @@ class UpdatedInBackward(TrainerCallback):
 class QuietProgress(ProgressCallback):
     """The Trainer's progress bars without its log dicts (the training's summary at its end, evaluations'
     figures): the quiet console (pipeline.quiet). The training bar shows at once and stays; an evaluation's
-    bar shows only when the evaluation is slow (tqdm's delay) and is erased when it ends."""
+    bar, named by its split (`split`: eval, val) as the Accelerator loop's, shows only when the evaluation is
+    slow (tqdm's delay) and is erased when it ends."""
+
+    split = "val"  # the split evaluated next: the periodic passes while training validate
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.training_bar = tqdm(total=state.max_steps, dynamic_ncols=True, delay=0)
+            self.training_bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True, delay=0)
         self.current_step = 0
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
         if state.is_world_process_zero and has_length(eval_dataloader):
             if self.prediction_bar is None:
-                self.prediction_bar = tqdm(total=len(eval_dataloader), leave=False, dynamic_ncols=True)
+                self.prediction_bar = tqdm(
+                    total=len(eval_dataloader), desc=self.split, leave=False, dynamic_ncols=True
+                )
             self.prediction_bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -222,6 +227,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
                     val_series.setdefault(key, {})[entry["step"]] = entry[f"eval_{key}"]
 
     def evaluated(dataset, prefix: str) -> dict[str, float]:
+        for callback in trainer.callback_handler.callbacks:  # its bar's name
+            if isinstance(callback, QuietProgress):
+                callback.split = prefix
         metrics = with_perplexity(trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix), prefix)
         return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 

@@ -152,5 +152,6 @@ ENTRIES = [
         estimate=estimate_prodigy,
         requires=("prodigyopt",),
         step_temporaries=(2, 0),
+        estimates_step_size=True,
     ),
 ]

@@ -123,6 +123,9 @@ class OptimizerSpec:
     needs_cuda: str | None = None  # why it cannot run without a CUDA device (one line), None when it can
     # why it cannot train adapters on a frozen base (peft=lora / qlora: one line), None when it can
     frozen_base: str | None = None
+    # its rate multiplies a step size it estimates itself (Prodigy's D): a model with random weights keeps it
+    # (pipeline.reference_lr)
+    estimates_step_size: bool = False
 
     def trainer_string(self, cfg) -> str | None:
         """The Trainer's `optim=` string when its path builds this optimizer with the config's settings; None

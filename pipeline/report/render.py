@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from pipeline.eval_sample import SHORT_RUN_STEPS
 from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
@@ -183,6 +184,27 @@ def f1_note(jobs: pd.DataFrame) -> str | None:
         else:
             notes.append(f"eval F1{on} is the macro-F1 over {len(labels)} classes ({classes})")
     return "; ".join(notes) or None
+
+
+def sample_note(jobs: pd.DataFrame) -> str | None:
+    """The line naming the finished runs whose test or validation split was cut to a sample (param
+    `eval_sample`, the most texts evaluated on, reached by `eval_samples` or `val_samples`): their eval and val
+    figures are that sample's."""
+    done = jobs[jobs.status == "FINISHED"]
+    figures = done.reindex(columns=["eval_sample", "eval_samples", "val_samples"]).apply(
+        pd.to_numeric, errors="coerce"
+    )
+    cap = figures.eval_sample
+    sampled = cap[cap.notna() & figures[["eval_samples", "val_samples"]].eq(cap, axis=0).any(axis=1)]
+    if sampled.empty:
+        return None
+    runs = "every run" if len(sampled) == len(done) else f"{len(sampled)} of {len(done)} runs"
+    at_most = " or ".join(f"{int(n):,}" for n in sorted(sampled.unique()))
+    return (
+        f"sampled evaluation: {runs} evaluated on at most {at_most} texts of the test and the validation split "
+        f"(param `eval_sample`; eval.sample=auto samples a run of fewer than {SHORT_RUN_STEPS} steps): their eval "
+        "and val figures are that sample's; eval.sample=null evaluates on all"
+    )
 
 
 def variant_notes(jobs: pd.DataFrame) -> list[str]:
@@ -526,8 +548,9 @@ def console_text(out: Path, table: pd.DataFrame) -> str:
         block += f"\n({note.replace('`', '')})" if note and task == CLASSIFICATION else ""
         blocks.append(block)
     text = "\n\n".join(blocks) if len(table) else "no finished training jobs"
-    off = off_reference(jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]) if jobs is not None else None
-    text += f"\n{off}" if off else ""
+    training = jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)] if jobs is not None else None
+    for line in (off_reference(training), sample_note(training)) if jobs is not None else ():
+        text += f"\n{line.replace('`', '')}" if line else ""
     if (out / "tuned.csv").exists():
         tuned = pd.read_csv(out / "tuned.csv")
         text += "\n\ntuned learning rate (each optimizer at its best validation rate; test split):\n"
@@ -616,7 +639,8 @@ def build(
     title = f"Optimizer comparison: {name}"
     about = _about(uri, parents, jobs, baseline, status)
     pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))
-    notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), *variant_notes(training)]
+    notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), sample_note(training)]
+    notes += variant_notes(training)
     tasks, tuned = tasks_in(training), []
     for task in tasks:  # each task's rates picked by its own metric: a language model's by its lowest loss
         rows = training[task_of(training).eq(task)]
