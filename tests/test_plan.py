@@ -320,7 +320,9 @@ def test_any_depth_and_batch_follow_exactly_from_two_shallow_models_at_two_batch
 def test_bad_plan_values_are_one_line():
     from pipeline.config import ConfigError, validate
 
-    with pytest.raises(ConfigError, match=r"device_memory='h900' is invalid: allowed values are t4, "):
+    with pytest.raises(
+        ConfigError, match=r"device_memory='h900' is invalid: did you mean h200\? allowed values are t4, "
+    ):
         validate(compose_cfg("plan=true", "device_memory=h900"))
     with pytest.raises(ConfigError, match="plan=true is invalid with find_batch_size=true"):
         validate(compose_cfg("plan=true", "find_batch_size=true", "memory_budget_mb=100"))

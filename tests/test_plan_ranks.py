@@ -178,7 +178,10 @@ def test_one_rank_plans_as_before():
             "train.sharding=zero2 is planned only (plan=true): training runs none, zero1, fsdp",
         ),
         (["plan=true", "find_batch_size=true"], "plan=true is invalid with find_batch_size=true"),
-        (["plan=true", "train.sharding=zero4"], "train.sharding='zero4' is invalid: allowed values are none"),
+        (
+            ["plan=true", "train.sharding=zero4"],
+            "train.sharding='zero4' is invalid: did you mean zero2? allowed",
+        ),
     ],
 )
 def test_bad_plan_settings_are_one_line(overrides, message):

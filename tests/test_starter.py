@@ -236,7 +236,15 @@ def test_a_starter_that_loaded_an_uninitialised_driver_library_serves_warm_jobs(
 
 
 # figures that depend on the machine's speed or on the process, not on the job
-TIMING = ("_per_second", "_ms", "_s", "mfu", "peak_rss_mb", "device_peak_tflops")
+TIMING = (
+    "_per_second",
+    "/s",
+    "_ms",
+    "_s",
+    "mfu",
+    "peak_rss_mb",
+    "device_peak_tflops",
+)  # /s: Samples/s, a display copy
 
 
 def figures(folder, client) -> dict:

@@ -344,7 +344,7 @@ SHORT_RETRIES = {
 THREE_POINTS = ["-m", "seed=1,2,3", *TINY]
 # what differs between two runs of the same point by nature: where and when it ran, how fast, the process
 WHERE_AND_WHEN = {"job_dir", "mlflow.parentRunId", RECORD_KEY, liveness.PID, liveness.PID_START}
-HOW_FAST = ("_per_second", "_ms", "_s")
+HOW_FAST = ("_per_second", "/s", "_ms", "_s")  # /s: Samples/s, the throughput's display copy
 PROCESS = {"mfu", "peak_rss_mb", "device_peak_tflops"}
 
 
