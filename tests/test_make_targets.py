@@ -13,11 +13,11 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from pipeline import browse
 from tests.conftest import cli_env, free_port, running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,13 +278,9 @@ def test_make_ui_and_make_server_stop_with_one_signal_to_make(target, sig, tmp_p
     tree: list[int] = []
     try:
         deadline = time.monotonic() + 240
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
+        while not browse.server_answers(f"http://127.0.0.1:{port}", timeout=2):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
         tree = descendants(proc.pid)
         assert len(tree) >= 3, tree  # pipeline.browse, the mlflow command, its uvicorn server
         started = time.monotonic()
