@@ -145,7 +145,8 @@ def fit_result(cfg, model, splits, choice, tokenizer, job_dir) -> dict:
         simulated = plan.simulate(
             model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names, grid=grid
         )
-        limit = plan.largest_batch(simulated, budget, cuda)
+        # the probes count a paged optimizer's paged state against the budget (pipeline.memory)
+        limit = plan.largest_batch(simulated, budget - simulated["paged"], cuda)
         metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
     if best:
         at_best = fitting[best]

@@ -143,10 +143,10 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
-def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], measured: list[float]) -> dict:
+def prediction(cfg, spec, model, names, ranks: list[dict], measured: list[float]) -> dict:
     """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks:
-    what each rank of several holds) for each rank's largest batch, beside the measured one; `exclude_mb` of
-    the state is not on the device (paged). Not under FSDP, nor for an optimizer that updates inside the
+    what each rank of several holds) for each rank's largest batch, beside the measured one; on CUDA a paged
+    optimizer's paged state is left out of both. Not under FSDP, nor for an optimizer that updates inside the
     backward pass (the plan steps once over all gradients). With adapters (peft=lora / qlora) the plan
     simulates the same adapters on the same (4-bit) base."""
     if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
@@ -160,17 +160,17 @@ def prediction(cfg, spec, model, names, exclude_mb: float, ranks: list[dict], me
             cfg, spec, model.config, tuple(record["largest_batch"]), cuda, names, len(ranks)
         )
         peaks = figures["rank_peaks"]
-        peak = peaks[min(rank, len(peaks) - 1)] - exclude_mb  # ZeRO-1's ranks differ, the others' are alike
+        peak = peaks[min(rank, len(peaks) - 1)]  # ZeRO-1's ranks differ, the others' are alike
         if record.get("largest_before_state") and len(ranks) == 1 and "peak_before_state" in figures:
             # the largest batch came first, before the optimizer made its state (dynamic padding): the peak is
             # that step's (its pass without the state, or its optimizer step making it) or that of the largest
             # batch measured with the state in place, whichever is higher
-            peak = figures["peak_before_state"] - exclude_mb
+            peak = figures["peak_before_state"]
             later = tuple(record.get("largest_with_state", ()))
             if len(later) == 2:
                 with_state = simulated_step(cfg, spec, model.config, later, cuda, names, 1)
-                if with_state["rank_peaks"][0] - exclude_mb > peak:
-                    figures, peak = with_state, with_state["rank_peaks"][0] - exclude_mb
+                if with_state["rank_peaks"][0] > peak:
+                    figures, peak = with_state, with_state["rank_peaks"][0]
         error = 100 * (peak / measured[rank] - 1)
         if rank == 0:
             out |= {
@@ -197,6 +197,7 @@ NOT_IN_PLAN_TRAIN = ("max_steps",)
 PLAN_SOURCES = (
     "__init__.py",
     "plan.py",
+    "cuda_kernels.py",
     "cuda_reductions.py",
     "plan_ranks.py",
     "memory.py",
@@ -236,7 +237,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
         from pipeline import plan, plan_ranks
 
         found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store, grid=grid)
-        layout = plan_ranks.Layout(found["model"], spec, cfg, foreach=cuda)
+        layout = plan_ranks.Layout(found["model"], spec, cfg, cuda=cuda)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
         # step 1's peak: its pass with no state yet, or its optimizer step, which makes the state
@@ -297,10 +298,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     speed, speed_tags = throughput(cfg, timer, runtime, ranks.records, flops, out.device)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
-        # on CUDA the paged part of the state is not on the device (nor in the allocator's peak)
-        paged_mb = paged.mb if on_cuda else 0.0
         measured = [r["peak_memory_mb"] for r in ranks.records]
-        memory.update(prediction(cfg, spec, model, collate.input_names, paged_mb, ranks.records, measured))
+        memory.update(prediction(cfg, spec, model, collate.input_names, ranks.records, measured))
     method = memory.pop("prediction_method", None)  # a tag, not a metric
     peft_metrics, peft_params = adapters.figures(cfg, model)
     if peft_metrics and "peak_params_mb" in memory:  # the weights at the peak less the trainable ones

@@ -6,9 +6,10 @@ What runs is what a job runs: the model class the job's task builds from the con
 classifier, or a decoder with its LM head for task=causal_lm, trained on labels of one token id per position),
 its attention implementation, blocks, tied or untied embeddings, autocast for bf16/fp16, bf16 weights for bf16_pure,
 gradient checkpointing, and the optimizer's own step (torch's per-tensor loop on CPU, its `foreach` loop for a
-CUDA target, as torch picks by default there). For a CUDA target, scaled dot-product attention runs the fused
-kernel torch's CUDA dispatch picks (flash or memory-efficient attention: `cuda_attention`), which saves the
-output and the logsumexp for backward, not the probabilities the CPU's math path keeps. A storage tracker
+CUDA target, as torch picks by default there). For a CUDA target, the kernels whose saved tensors differ from
+CPU's run as on CUDA (pipeline.cuda_kernels): attention the fused kernel torch's CUDA dispatch picks (the output
+and the logsumexp saved, not the probabilities the CPU's math path keeps), dropout its fused kernel (a 1-byte
+mask, not a noise tensor), and the autocast query answers for CUDA's autocast. A storage tracker
 (PyTorch's MemTracker, as the step-2 breakdown of a training job) follows every tensor's lifetime, so the
 parts are the same as a measured breakdown, a language model's `logits` part included (pipeline.memory.is_logits). An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
 exact analytic state and its stated step temporaries instead (tag `plan_method`).
@@ -37,6 +38,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import MB, learning_rate
+from pipeline.cuda_kernels import cuda_kernels
 from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
 # the fake model the step runs on (and the names callers reach it by here)
@@ -77,83 +79,6 @@ def usable_mb(device: str) -> float:
 def _autocast(precision: str):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     return torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def cuda_attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
-    """`F.scaled_dot_product_attention` as torch runs it on a CUDA GPU of sm80 or newer (A100, H100, H200,
-    L4, L40S ...): the kernel its CUDA dispatch picks, called through that kernel's own aten op, so that
-    autograd saves for backward what the kernel saves (the ops' meta kernels give the shapes):
-
-    - flash attention, with no mask, 16-bit inputs and equal head dims up to 256: q, k and v (head dim padded
-      to a multiple of 8), the output, the logsumexp (B x H x L, fp32) and dropout's philox seed and offset;
-    - else memory-efficient attention, with head dims a multiple of 8 (16-bit) or 4 (fp32): q, k, v, the
-      mask as an additive bias in the query's dtype (a boolean mask converted, as given, B x 1 x L x S for a
-      padding mask, then expanded; padded when unaligned), the output, the logsumexp (B x H x L rounded up
-      to 32, fp32), seed and offset;
-    - else the math path, which keeps the B x H x L x S probabilities (and dropout's mask).
-
-    Neither fused kernel keeps probabilities, with dropout or without. Under autocast the floating inputs are
-    cast to its dtype first, as CUDA autocast does for SDPA (its lower-precision list)."""
-    import torch.nn.functional as F
-
-    if torch.is_autocast_enabled("cpu"):  # the simulation's autocast stands in for CUDA's
-        dtype = torch.get_autocast_dtype("cpu")
-        query, key, value = (t.to(dtype) for t in (query, key, value))
-        if attn_mask is not None and attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(dtype)
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    head, head_v = query.shape[-1], value.shape[-1]
-    same = head == key.shape[-1] == head_v
-    if (
-        attn_mask is None
-        and half
-        and same
-        and head <= 256
-        and not (is_causal and query.shape[-2] != key.shape[-2])
-    ):
-        pad = -head % 8
-        q, k, v = (F.pad(t, (0, pad)) if pad else t for t in (query, key, value))
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=head**-0.5 if scale is None else scale
-        )[0]
-        return out[..., :head] if pad else out
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for every kernel
-        zero = torch.zeros((), dtype=query.dtype, device=query.device)
-        attn_mask = torch.where(attn_mask.logical_not(), -math.inf, zero)
-    alignment = 8 if half else 4
-    if head == key.shape[-1] and head % alignment == 0 and head_v % alignment == 0:
-        if enable_gqa and key.shape[-3] != query.shape[-3]:  # grouped key/value heads, repeated
-            repeat = query.shape[-3] // key.shape[-3]
-            key, value = (t.repeat_interleave(repeat, -3) for t in (key, value))
-        if attn_mask is not None:  # torch's preprocess_mask: padded when unaligned, then expanded
-            strides = attn_mask.stride()
-            if any(s % 8 for s in strides[:-1]) or strides[-1] != 1:
-                last = attn_mask.shape[-1]
-                attn_mask = F.pad(attn_mask, (0, 8 - last % 8))[..., :last]
-            attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
-        )[0]
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )[0]
-
-
-@contextlib.contextmanager
-def cuda_attention_in_place():
-    """Within it, `torch.nn.functional.scaled_dot_product_attention` (as transformers calls it) is
-    `cuda_attention`: in the forward pass and in a checkpointed layer's recomputation in backward too, which
-    runs inside autograd's engine, where a torch function mode does not reach."""
-    functional = torch.nn.functional
-    original = functional.scaled_dot_product_attention
-    functional.scaled_dot_product_attention = cuda_attention
-    try:
-        yield
-    finally:
-        functional.scaled_dot_product_attention = original
 
 
 INPUT_NAMES = ("input_ids", "attention_mask")  # what a tokenizer gives at the least
@@ -407,7 +332,7 @@ def _trace(
     peft: str | None = None,
 ) -> dict[str, np.ndarray]:
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
-    `cuda`, attention as a CUDA GPU runs it (`cuda_attention_in_place`). A language model's logits are a part
+    `cuda`, attention, dropout and the autocast query as a CUDA GPU runs them (pipeline.cuda_kernels). A language model's logits are a part
     of their own (pipeline.memory.is_logits), as in a measured breakdown."""
     from pipeline.memory import KindPeak, logits_width
 
@@ -417,7 +342,7 @@ def _trace(
     tracker.enter("before" if stretches else "pass")
     filed = _stretches(model, tracker) if stretches else contextlib.nullcontext()
     try:
-        with mode, tracker, filed, cuda_attention_in_place() if cuda else contextlib.nullcontext():
+        with mode, tracker, filed, cuda_kernels() if cuda else contextlib.nullcontext():
             with _autocast(precision):
                 loss = model(**inputs).loss
             loss.backward()
@@ -529,8 +454,9 @@ def simulate(
     """The predicted peak and its parts (MB) for one training step of `batch` x `seq` tokens of the job's task
     (`cfg.task.name`), the optimizer step's own peak, the state, how the step was found, the fake model, the
     pass's Profile and the vocabulary of its LM head (`vocab`, None for a classifier, whose parts have no
-    `logits`). `cuda`: for a CUDA target (its attention kernels, the `foreach` step, cuBLAS's workspaces, its
-    reductions' buffers); `grid`: that GPU's multiprocessors and threads per multiprocessor, which size the
+    `logits`). `state` is the state the device's allocator holds, `paged` the rest (MB). `cuda`: for a CUDA
+    target (pipeline.cuda_kernels' kernels, the `foreach` step, cuBLAS's workspaces, its reductions' buffers,
+    a paged optimizer's paged state held outside the allocator); `grid`: that GPU's multiprocessors and threads per multiprocessor, which size the
     reductions' buffers (pipeline.cuda_reductions.grid_for; None: UPPER_GRID, an upper bound on the named
     GPUs'); `store` (a pipeline.cache.Store): where the pass and the optimizer step are kept for other
     processes."""
@@ -543,7 +469,8 @@ def simulate(
     _, model = fake_model(model_config, precision, checkpointing, task, peft)
     vocab = logits_width(model)
     params = optimizers.param_infos(model)
-    state = spec.estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config).bytes / MB
+    whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
+    state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
     steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft)
     fb = reported(steps.parts(batch), vocab)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
@@ -561,7 +488,8 @@ def simulate(
 
         _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
     step, method = _OPTIMIZER_STEP[key]
-    step = reported(analytic_step(model, state * MB, spec) if step is None else step, vocab)
+    step = reported(analytic_step(model, whole.bytes, spec) if step is None else step, vocab)
+    step = {**step, "optimizer": step["optimizer"] - paged}
     # step 2's forward/backward: step 1's with the state in place
     at_fb = {**fb, "optimizer": state}
     parts = at_fb if sum(at_fb.values()) >= sum(step.values()) else step
@@ -571,6 +499,7 @@ def simulate(
         "parts": parts,
         "peak": sum(parts.values()),
         "state": state,
+        "paged": paged,
         "step_peak": sum(step.values()) + extra,
         "method": method,
         "step": step,

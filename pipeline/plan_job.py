@@ -94,7 +94,7 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
             )
             if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
                 shards = plan_ranks.Layout(
-                    again["model"], spec, changed, foreach=cuda, nccl_mb=layout.nccl_mb
+                    again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb
                 )
                 found = rank_metrics(again, shards, changed, budget, extra)
                 peak, batch = found["predicted_peak_mb"], found["predicted_max_batch_size"]
@@ -155,7 +155,9 @@ def plan_result(cfg) -> dict:
             if adapters.name(cfg) == "none"
             else {"model_trainable_params": adapters.trainable_params(model)}
         ),
-        "estimated_optimizer_state_mb": prediction["state"],
+        "estimated_optimizer_state_mb": prediction["state"] + prediction["paged"],
+        # a paged optimizer's state in CUDA unified memory: outside the allocator and the predicted peak
+        **({"predicted_paged_state_mb": prediction["paged"]} if prediction["paged"] else {}),
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
@@ -170,7 +172,7 @@ def plan_result(cfg) -> dict:
         metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget, cuda)
     if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none" or budget is not None:
         nccl = plan_ranks.NCCL_BUFFERS_MB if cuda else 0.0  # each rank's, when there are several
-        layout = plan_ranks.Layout(model, spec, cfg, foreach=cuda, nccl_mb=nccl)
+        layout = plan_ranks.Layout(model, spec, cfg, cuda=cuda, nccl_mb=nccl)
         extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
         metrics |= rank_metrics(prediction, layout, cfg, budget, extra)
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked

@@ -69,12 +69,13 @@ class Layout:
     """What the count of shards needs of a (fake) model and its optimizer: bytes of weights, buffers and
     trainable gradients, the units FSDP gathers, the optimizer's parameter groups and state estimate, and what
     each rank of several holds for communication (`nccl_mb`: NCCL_BUFFERS_MB for a CUDA target's plan; 0 where
-    the figures are compared with torch's allocator, which NCCL's buffers lie outside)."""
+    the figures are compared with torch's allocator, which NCCL's buffers lie outside). `cuda`: a CUDA
+    target's (torch's multi-tensor `foreach` step; a paged optimizer's paged state not held)."""
 
-    def __init__(self, model, spec, cfg, foreach: bool, nccl_mb: float = 0.0):
+    def __init__(self, model, spec, cfg, cuda: bool, nccl_mb: float = 0.0):
         from pipeline import optimizers
 
-        self.spec, self.cfg, self.foreach, self.nccl_mb = spec, cfg, foreach, nccl_mb
+        self.spec, self.cfg, self.cuda, self.nccl_mb = spec, cfg, cuda, nccl_mb
         self.config = model.config
         params = list(model.parameters())
         self.num_params = sum(adapters.weights(p) for p in params)  # a 4-bit weight's: the weights it packs
@@ -107,15 +108,15 @@ class Layout:
         self._owned: dict[int, list[list[int]]] = {}
 
     def state_mb(self, indices: list[int] | None = None, world: int = 1) -> float:
-        """The state estimate (MB) of these parameters (all when None), each as a 1-D slice of 1/world of its
-        elements when world > 1 (flat partitions, FSDP's shards)."""
+        """The state estimate (MB) of these parameters (all when None) that the device's allocator holds, each
+        as a 1-D slice of 1/world of its elements when world > 1 (flat partitions, FSDP's shards)."""
         key = (None if indices is None else tuple(indices), world)
         if key not in self._state:
             infos = self.infos if indices is None else [self.infos[i] for i in indices]
             if world > 1:
                 infos = [i._replace(shape=(math.ceil(i.numel / world),)) for i in infos]
-            estimate = self.spec.estimate(infos, self.cfg, self.variant, self.config)
-            self._state[key] = estimate.bytes / MB
+            whole, outside = self.spec.held_estimate(infos, self.cfg, self.variant, self.config, self.cuda)
+            self._state[key] = (whole.bytes - outside.bytes) / MB
         return self._state[key]
 
     def zero1_owned(self, world: int) -> list[list[int]]:
@@ -189,7 +190,7 @@ def _step_parts(step: dict, layout: Layout, sharding: str, world: int, owned: li
         out = {**step, "grads": step["grads"] + grads}  # DDP's buckets
         if sharding == "zero1":
             sizes = [layout.sizes[i] for i in owned]
-            share = sum(sizes) / layout.grads if layout.foreach else max(sizes, default=0) / max(layout.sizes)
+            share = sum(sizes) / layout.grads if layout.cuda else max(sizes, default=0) / max(layout.sizes)
             out["optimizer"] = layout.state_mb(owned)
             out["other"] = step["other"] * share
         return out

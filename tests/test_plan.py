@@ -1,7 +1,6 @@
 """Plan before you train (`plan=true`): a training step simulated on fake tensors, its parts and peak, the
 largest batch that fits, the report's plan table, and a sample of the accuracy matrix (`make plan-accuracy`)."""
 
-import copy
 
 import pytest
 import torch
@@ -200,67 +199,6 @@ def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch
     monkeypatch.setattr(cuda_reductions, "reduction_buffers", lambda *args, **kwargs: [])
     without = plan.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
     assert without["peak"] < 0.9 * H200_ADAFACTOR_PEAK_MB
-
-
-@pytest.mark.parametrize(
-    ("dtype", "masked"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
-)
-def test_a_cuda_targets_attention_saves_what_torchs_fused_kernel_saves(dtype, masked):
-    """For a CUDA target, SDPA with dropout saves for backward what torch's fused kernel saves on a GPU: q, k
-    and v, the mask as a bias in the query's dtype (memory-efficient attention, the kernel for a masked call;
-    flash attention takes none), and the kernel's outputs as its fake kernel makes them on a fake CUDA device:
-    the output, the logsumexp (rounded up to 32 rows by memory-efficient attention) and dropout's philox seed
-    and offset. Never the B x H x L x L probabilities or dropout's mask, which the CPU's math path keeps."""
-    b, h, length, d = 2, 4, 40, 16
-    saved = {}
-
-    def pack(t):
-        saved[id(t.untyped_storage())] = t.untyped_storage()
-        return t
-
-    with plan.fake_mode():
-        q, k, v = (torch.empty(b, h, length, d, dtype=dtype, requires_grad=True) for _ in range(3))
-        mask = torch.ones(b, 1, length, length, dtype=torch.bool) if masked else None
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), plan.cuda_attention_in_place():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
-        with torch.no_grad():  # the kernel torch's CUDA dispatch runs, on a fake CUDA device
-            cuda = [torch.empty(b, h, length, d, dtype=dtype, device="cuda") for _ in range(3)]
-            if masked:
-                bias = torch.empty(b, 1, length, length, dtype=dtype, device="cuda")
-                expanded = bias.expand(b, h, length, length)
-                kernel = torch.ops.aten._scaled_dot_product_efficient_attention(*cuda, expanded, True, 0.1)
-                assert kernel[1].shape == (b, h, 64)  # the logsumexp's rows rounded up to 32
-                kept = [*cuda, bias, *kernel]  # output, logsumexp, philox seed, offset
-            else:
-                kernel = torch.ops.aten._scaled_dot_product_flash_attention(*cuda, 0.1)
-                assert kernel[1].shape == (b, h, length)
-                kept = [*cuda, kernel[0], kernel[1], kernel[6], kernel[7]]  # output, logsumexp, rng state
-    assert sum(storage.nbytes() for storage in saved.values()) == sum(
-        t.untyped_storage().nbytes() for t in kept
-    )
-    assert max(storage.nbytes() for storage in saved.values()) < b * h * length * length * q.element_size()
-
-
-@pytest.mark.slow  # BERT-base simulated at 512 tokens: CI (make test-ci)
-def test_a_bert_base_plan_for_a_cuda_target_keeps_no_attention_probabilities():
-    """BERT-base (attention dropout 0.1), 16 x 512 tokens. Planned for CPU, SDPA takes the math path, which
-    keeps per layer the probabilities, dropout's mask and the dropped probabilities (3 x B x H x S^2 fp32);
-    planned for a CUDA target, memory-efficient attention keeps the mask as a bias (B x S^2) and the
-    logsumexp (B x H x S) instead, and attention dropout changes nothing it keeps."""
-    cfg = compose_cfg("model=bert-base-uncased", "model.pretrained=false", "optim=adamw")
-    spec, config = optimizers.get("adamw"), models.model_config(cfg.model, num_labels=2)
-    names = ("input_ids", "token_type_ids", "attention_mask")
-    b, s, h, layers = 16, 512, config.num_attention_heads, config.num_hidden_layers
-    cpu = plan.simulate(config, spec, cfg, b, s, names=names)
-    cuda = plan.simulate(config, spec, cfg, b, s, cuda=True, names=names)
-    undropped = copy.deepcopy(config)
-    undropped.attention_probs_dropout_prob = 0.0
-    no_dropout = plan.simulate(undropped, spec, cfg, b, s, cuda=True, names=names)
-    per_layer = (3 * b * h * s * s - b * s * s - b * h * s) * 4 / MB
-    drop = cpu["parts"]["activations"] - cuda["parts"]["activations"]
-    assert drop == pytest.approx(layers * per_layer, rel=1e-6)
-    assert cuda["parts"]["activations"] == pytest.approx(no_dropout["parts"]["activations"], rel=1e-9)
-    assert cuda["peak"] < cpu["peak"] / 1.9
 
 
 def test_named_gpus_memory_is_the_data_sheets_in_its_units():

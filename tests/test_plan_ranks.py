@@ -18,7 +18,7 @@ def tiny_plan():
     spec = optimizers.get("adamw")
     config = models.model_config(cfg.model, num_labels=2)
     prediction = plan.simulate(config, spec, cfg, 16, 64)
-    layout = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=False)
+    layout = plan_ranks.Layout(prediction["model"], spec, cfg, cuda=False)
     return cfg, spec, prediction, layout
 
 
@@ -70,7 +70,7 @@ def test_each_gpu_of_several_holds_nccls_buffers(tiny_plan):
     cfg, spec, prediction, layout = tiny_plan
     nccl = plan_ranks.NCCL_BUFFERS_MB
     assert nccl == 512
-    with_nccl = plan_ranks.Layout(prediction["model"], spec, cfg, foreach=False, nccl_mb=nccl)
+    with_nccl = plan_ranks.Layout(prediction["model"], spec, cfg, cuda=False, nccl_mb=nccl)
     for sharding in plan_ranks.SOURCES:
         plain = plan_ranks.per_rank(prediction, layout, sharding, 4, 16, 0.0)
         ranks = plan_ranks.per_rank(prediction, with_nccl, sharding, 4, 16, 0.0)
@@ -88,7 +88,7 @@ def test_each_gpu_of_several_holds_nccls_buffers(tiny_plan):
     cuda = plan.simulate(
         prediction["model"].config, spec, cfg2, 16, 64, cuda=True, names=("input_ids", "attention_mask")
     )
-    cuda_layout = plan_ranks.Layout(cuda["model"], spec, cfg2, foreach=True, nccl_mb=nccl)
+    cuda_layout = plan_ranks.Layout(cuda["model"], spec, cfg2, cuda=True, nccl_mb=nccl)
     top = max(
         plan_ranks.per_rank(cuda, cuda_layout, "none", 2, 16, plan.CUBLAS_WORKSPACES_MB),
         key=lambda r: r["peak"],

@@ -20,6 +20,7 @@ from pipeline.optimizers.spec import (
 )
 
 BNB_MIN_8BIT_SIZE, BNB_BLOCK = 4096, 256  # bitsandbytes: smaller tensors keep 32-bit state; absmax per block
+BNB_PAGED_MIN = 100_000  # a paged optimizer pages the moments of tensors of at least this many elements
 BNB_QMAP = 256  # bitsandbytes' quantization map (fp32), one per state kind, shared by every parameter
 TRAINER_EMBEDDING_FP32 = (
     "trainer_embedding_fp32"  # the Trainer's bnb 8-bit path keeps nn.Embedding state fp32
@@ -56,6 +57,13 @@ def min_8bit_size(cfg) -> int:
     return cfg.optim.get("min_8bit_size", BNB_MIN_8BIT_SIZE)
 
 
+def eight_bit(p, cfg, bits: int, variant=None) -> bool:
+    """Whether bitsandbytes keeps this parameter's moments in 8 bits: an 8-bit optimizer, a tensor of at least
+    `optim.min_8bit_size` (4096) elements, and not an embedding weight in the Trainer's variant."""
+    eight = bits == 8 and p.numel >= min_8bit_size(cfg)
+    return eight and not (variant == TRAINER_EMBEDDING_FP32 and p.is_embedding)
+
+
 def bnb_estimator(states: int, bits: int, maps: int | None = None):
     """bitsandbytes: `states` moments per parameter; 8-bit ones as uint8 codes + an fp32 absmax per block of
     256, except tensors under `optim.min_8bit_size` (4096) elements (and, in the Trainer's variant, embedding
@@ -64,14 +72,26 @@ def bnb_estimator(states: int, bits: int, maps: int | None = None):
     def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
         parts, any_8bit = [], False
         for p in params:
-            eight = bits == 8 and p.numel >= min_8bit_size(cfg)
-            eight = eight and not (variant == TRAINER_EMBEDDING_FP32 and p.is_embedding)
+            eight = eight_bit(p, cfg, bits, variant)
             any_8bit |= eight
             moment = size((p.numel, 1), (ceil(p.numel / BNB_BLOCK), FP32)) if eight else size((p.numel, FP32))
             parts += [moment] * states + [size((1, INT64))]
         if any_8bit:
             parts.append(size(((states if maps is None else maps) * BNB_QMAP, FP32)))
         return total(parts)
+
+    return estimate
+
+
+def bnb_paged(states: int, bits: int):
+    """The part of `bnb_estimator`'s state a paged optimizer keeps in CUDA unified memory, outside the caching
+    allocator: the moments (uint8 codes, or fp32 where they stay 32-bit) of each tensor of at least
+    BNB_PAGED_MIN elements (bitsandbytes' `get_state_buffer`); absmax, maps and smaller tensors' moments stay
+    on the device."""
+
+    def estimate(params, cfg, variant=None, model_config=None) -> StateSize:
+        paged = [p for p in params if p.numel >= BNB_PAGED_MIN]
+        return total(size((states * p.numel, 1 if eight_bit(p, cfg, bits, variant) else FP32)) for p in paged)
 
     return estimate
 
@@ -133,6 +153,7 @@ ENTRIES = [
         name="paged_adamw_8bit",
         build=bnb_builder("adamw", 8, paged=True),
         estimate=bnb_estimator(2, 8),
+        paged_estimate=bnb_paged(2, 8),
         trainer_optim="paged_adamw_8bit",
         trainer_args=adam_args,
         **TRAINER_8BIT_PATH,
@@ -143,6 +164,7 @@ ENTRIES = [
         name="paged_adamw_32bit",
         build=bnb_builder("adamw", 32, paged=True),
         estimate=bnb_estimator(2, 32),
+        paged_estimate=bnb_paged(2, 32),
         trainer_optim="paged_adamw_32bit",
         trainer_args=adam_args,
         requires=BNB,
@@ -170,6 +192,7 @@ ENTRIES = [
         name="paged_lion_8bit",
         build=bnb_builder("lion", 8, paged=True),
         estimate=bnb_estimator(1, 8),
+        paged_estimate=bnb_paged(1, 8),
         trainer_optim="paged_lion_8bit",
         trainer_args=adam_args,
         **TRAINER_8BIT_PATH,
@@ -179,6 +202,7 @@ ENTRIES = [
         name="paged_lion_32bit",
         build=bnb_builder("lion", 32, paged=True),
         estimate=bnb_estimator(1, 32),
+        paged_estimate=bnb_paged(1, 32),
         trainer_optim="paged_lion_32bit",
         trainer_args=adam_args,
         requires=BNB,

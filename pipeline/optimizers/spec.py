@@ -109,6 +109,9 @@ class OptimizerSpec:
     # (pipeline.runner.config_hash; collected as ADDED_SETTINGS)
     added_settings: dict = field(default_factory=dict)
     requires: tuple[str, ...] = ()
+    # on CUDA, the part of `estimate` the optimizer pages (unified memory the caching allocator never sees):
+    # same arguments; None where it pages nothing
+    paged_estimate: Callable | None = None
     needs_train_eval_mode: bool = False  # schedule-free: optimizer.train() / optimizer.eval()
     compiles_step: bool = False  # torchao: torch.compile'd step (incompatible with the CPU peak tracker)
     # what its step allocates at once, as (times the largest weight, times all weights): e.g. AdamW's
@@ -126,6 +129,13 @@ class OptimizerSpec:
     # its rate multiplies a step size it estimates itself (Prodigy's D): a model with random weights keeps it
     # (pipeline.reference_lr)
     estimates_step_size: bool = False
+
+    def held_estimate(self, params, cfg, variant, model_config, cuda: bool) -> tuple[StateSize, StateSize]:
+        """(the whole state estimate, its part held outside the device's caching allocator): on CUDA what a
+        paged optimizer pages, else nothing."""
+        whole = self.estimate(params, cfg, variant, model_config)
+        outside = self.paged_estimate if cuda and self.paged_estimate is not None else None
+        return whole, StateSize(0, 0) if outside is None else outside(params, cfg, variant, model_config)
 
     def trainer_string(self, cfg) -> str | None:
         """The Trainer's `optim=` string when its path builds this optimizer with the config's settings; None
