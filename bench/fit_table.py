@@ -121,7 +121,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
                 if layout is None:
                     nccl = plan_ranks.NCCL_BUFFERS_MB
                     model_built = planned[gpus[0]]["model"]
-                    layout = plan_ranks.Layout(model_built, spec, cfg, foreach=True, nccl_mb=nccl)
+                    layout = plan_ranks.Layout(model_built, spec, cfg, cuda=True, nccl_mb=nccl)
                 cells = [cell(planned[g], layout, optim, plan.usable_mb(g), extra, peft) for g in gpus]
                 yield [*key, str(seq), *cells]
 

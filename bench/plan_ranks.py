@@ -111,7 +111,7 @@ def _zero_formula(cfg, world: int) -> float:
 
     config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
     _, model = plan.fake_model(config, cfg.train.precision, False, cfg.task.name)
-    layout = plan_ranks.Layout(model, optimizers.spec_for(cfg.optim), cfg, foreach=False)
+    layout = plan_ranks.Layout(model, optimizers.spec_for(cfg.optim), cfg, cuda=False)
     return plan_ranks.deepspeed_zero_mb(layout, cfg.train.sharding, world)
 
 
