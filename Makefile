@@ -88,7 +88,7 @@ test-cluster: install
 test-matrix: install
 	$(BIN)/python -m pytest -m matrix -n $(TEST_WORKERS) --dist loadfile
 
-# On a GPU machine, under 8 minutes on one GPU (each step under a time-out): torch must see the GPUs nvidia-smi
+# On a GPU machine, under 12 minutes on one GPU (each step under a time-out): torch must see the GPUs nvidia-smi
 # lists, then a known allocation and short sweeps whose figures are checked (peak vs plan within 5%, an oom that
 # fails one run, warm parallel jobs' own peaks, find_batch_size on the Trainer, 2-rank DDP with 2 GPUs); summary
 # in outputs/gpu-check/<time>/summary.md, and in docs/gpu.md when every check passed. docs/gpu.md#make-test-gpu

@@ -47,19 +47,14 @@ ROOTS = ((PROJECT, ("optim",)), ("pytest", ()), ("pytest-timeout", ()))
 SITE = "site-packages"  # the bundle's folder of packages
 LEVEL = 6  # xz's preset: the size MAX_MB holds for
 MAX_MB = 48  # what a device call carries: 64 MiB in all, the repository (about 2.5 MB) included
-# The GPU machines' own Python packages that the pipeline's requirements name (the device tool's KINDS.md,
-# read 2026-11-17: Python 3.12, torch 2.11+cu130): left to them
-GPU_MACHINE_HAS = (
-    "accelerate aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click "
-    "cloudpickle contourpy cycler filelock fonttools frozenlist fsspec h11 hf-xet huggingface-hub "
-    "idna iniconfig jinja2 joblib kiwisolver markdown-it-py markupsafe matplotlib mdurl mpmath multidict narwhals "
-    "networkx numpy packaging pandas peft pillow pluggy propcache protobuf psutil pyarrow pygments pyparsing pytest "
-    "pytest-timeout python-dateutil pyyaml "
-    "regex requests rich safetensors scikit-learn scipy setuptools shellingham six sympy threadpoolctl tokenizers "
-    "torch tqdm transformers typer typing-extensions urllib3 werkzeug xxhash yarl zipp"
-).split()
+# The GPU machines' own Python and packages that the pipeline's requirements name, with the versions read so far
+# (null: not read yet): left to them where they meet every requirement on them (`resolve`)
+MACHINE_FILE = ROOT / "bench" / "gpu_machine.json"
+GPU_MACHINE = json.loads(MACHINE_FILE.read_text())
+GPU_MACHINE_HAS = tuple(GPU_MACHINE["packages"])
 SAME_AS_HERE = ("transformers", "huggingface-hub", "accelerate", "peft")  # carried whatever the target has
-NEVER = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")  # the target's own CUDA build of torch
+# the machine's own compiled stack (its CUDA build of torch, the numpy it is built against): never carried
+NEVER = re.compile(r"^(torch|triton|numpy|nvidia-.*|cuda-.*)$")
 # file paths (inside site-packages/) left out: other accelerators' bitsandbytes libraries, MLflow's UI, caches
 DROPPED = re.compile(
     r"(^bitsandbytes/libbitsandbytes_(cuda1[01]\d|rocm|xpu)[^/]*\.so$)|(^mlflow/server/js/)|(/__pycache__/)"
@@ -78,9 +73,25 @@ def installed() -> dict[str, md.Distribution]:
     return {norm(d.metadata["Name"]): d for d in md.distributions()}
 
 
-def closure(dists: dict[str, md.Distribution], roots=ROOTS) -> list[str]:
-    """The distributions `roots` ((name, extras) pairs) need, themselves included, followed through every
-    requirement whose marker holds here."""
+def target_env(python: str) -> dict[str, str]:
+    """The marker environment of a CPython `python` ("3.12") on Linux x86_64."""
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython"}
+
+
+def requirements(dist: md.Distribution, extras=(), python: str | None = None) -> list[Requirement]:
+    """What `dist` (with `extras`) requires, on CPython `python` (None: this one)."""
+    env = target_env(python) if python else {}
+    found = []
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in ("", *extras)):
+            found.append(req)
+    return found
+
+
+def closure_extras(dists: dict[str, md.Distribution], roots=ROOTS, python: str | None = None) -> dict:
+    """The distributions `roots` ((name, extras) pairs) need, themselves included, each with the extras asked
+    of it, followed through every requirement whose marker holds on CPython `python` (None: this one)."""
     seen: dict[str, set[str]] = {}
     todo = [(norm(root), set(extras)) for root, extras in roots]
     while todo:
@@ -91,12 +102,129 @@ def closure(dists: dict[str, md.Distribution], roots=ROOTS) -> list[str]:
         dist = dists.get(name)
         if dist is None:
             raise SystemExit(f"gpu-bundle: {name} is required but not installed here (make install first)")
-        for line in dist.requires or []:
+        todo += [(norm(r.name), set(r.extras)) for r in requirements(dist, seen[name], python)]
+    return seen
+
+
+def closure(dists: dict[str, md.Distribution], roots=ROOTS, python: str | None = None) -> list[str]:
+    """The names of `closure_extras`."""
+    return sorted(closure_extras(dists, roots, python))
+
+
+def demands(dists: dict[str, md.Distribution], python: str) -> dict[str, list[str]]:
+    """Each needed distribution's requirements on CPython `python`, as lines without markers ({"datasets":
+    ["pyarrow>=24.0.0", ...], ...})."""
+    return {
+        name: sorted({f"{norm(r.name)}{r.specifier}" for r in requirements(dists[name], extras, python)})
+        for name, extras in sorted(closure_extras(dists, python=python).items())
+    }
+
+
+def resolve(dists: dict[str, md.Distribution], machine: dict, python: str) -> dict:
+    """What the bundle carries, what it leaves to the machine and how. The machine's packages (`machine`:
+    GPU_MACHINE's form) are left to it where their recorded version meets every requirement on them; those of
+    unknown version too, but those it names to carry (`carry`: a requirement here is newer than it may have),
+    and the gate checks them there where a requirement bounds them (`gate`). The others are carried at this
+    environment's versions, but the machine's own compiled stack (NEVER), which cannot be: a requirement its
+    recorded version does not meet is a conflict, one line each."""
+    has = {norm(n): v for n, v in machine["packages"].items()}
+    wanted: dict[str, list[tuple[str, Requirement]]] = {}
+    needs = demands(dists, python)
+    for requirer, lines in needs.items():
+        for line in lines:
             req = Requirement(line)
-            envs = [{"extra": e} for e in ("", *seen[name])]
-            if req.marker is None or any(req.marker.evaluate(env) for env in envs):
-                todo.append((norm(req.name), set(req.extras)))
-    return sorted(seen)
+            wanted.setdefault(norm(req.name), []).append((requirer, req))
+    carried, left, gate, conflicts = [], [], {}, []
+    for name in needs:
+        if name == norm(PROJECT):
+            continue
+        bounded = [(who, r) for who, r in wanted.get(name, []) if str(r.specifier)]
+        version = has.get(name)
+        if name in {norm(n) for n in SAME_AS_HERE} or (name not in has and not NEVER.match(name)):
+            carried.append(name)
+        elif version is not None:
+            unmet = [(who, r) for who, r in bounded if not r.specifier.contains(version, prereleases=True)]
+            if not unmet:
+                left.append(name)
+            elif NEVER.match(name):
+                conflicts += [
+                    f"{who} {dists[who].version} requires {r}; the GPU machine has {name} {version} (its own "
+                    "build: not carried)"
+                    for who, r in unmet
+                ]
+            else:
+                carried.append(name)
+        elif name in {norm(n) for n in machine.get("carry", ())}:
+            carried.append(name)
+        else:
+            left.append(name)
+            if bounded:
+                gate[name] = sorted(f"{who}: {r}" for who, r in bounded)
+    return {"carried": carried, "left": left, "gate": gate, "conflicts": conflicts}
+
+
+def top_modules(dist: md.Distribution) -> set[str]:
+    """The public top-level modules a distribution installs (its packages and modules, private ones and
+    tests left out)."""
+    found = set()
+    for entry in dist.files or []:
+        parts = Path(entry.as_posix()).parts
+        if not parts or parts[0] in ("..", "/") or parts[0].endswith((".dist-info", ".data", ".pth")):
+            continue
+        top = parts[0].split(".")[0] if len(parts) == 1 else parts[0]
+        if len(parts) == 1 and not parts[0].endswith((".py", ".so")):
+            continue
+        if top and not top.startswith("_") and top not in ("tests", "test", "docs", "benchmarks", "bin"):
+            found.add(top)
+    return found
+
+
+def pipeline_modules() -> list[str]:
+    """Every module of the pipeline but its command-line entry, and what the lease's steps import."""
+    import pkgutil
+
+    import pipeline
+
+    found = []
+    for package in ("pipeline", "pipeline.backends", "pipeline.optimizers", "pipeline.report"):
+        path = Path(pipeline.__file__).parent / Path(*package.split(".")[1:])
+        found += [package] + [
+            m.name for m in pkgutil.iter_modules([str(path)], package + ".") if m.name != "pipeline.__main__"
+        ]
+    return sorted(set(found)) + ["bench.gpu_check", "hydra_plugins.compose_once_sweeper"]
+
+
+def check(manifest: Path) -> list[str]:
+    """The gate, on the GPU machine with the bundle first on PYTHONPATH: each requirement `manifest`
+    (bundle.json) lists, met by the version this Python finds; then every pipeline module and every carried
+    distribution's modules imported. A line for each failure, naming the package and the versions in conflict
+    (the imports only once the requirements are met: they would fail on the same)."""
+    import importlib
+
+    empty = {"carried": {}, "requires": {}, "imports": []}  # no bundle: this Python has the packages itself
+    bundle = json.loads(manifest.read_text()) if manifest.exists() else empty
+    versions = bundle["carried"]
+    failed = []
+    for requirer, lines in bundle["requires"].items():
+        who = f"{requirer} {versions[requirer]}" if requirer in versions else requirer
+        for line in lines:
+            req = Requirement(line)
+            try:
+                version = md.version(req.name)
+            except md.PackageNotFoundError:
+                failed.append(f"{who} requires {req}; this machine has no {req.name}")
+                continue
+            if not req.specifier.contains(version, prereleases=True):
+                failed.append(f"{who} requires {req}; this machine has {req.name} {version}")
+    if failed:
+        return failed
+    for name in [*pipeline_modules(), *bundle["imports"]]:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 (whatever an import raises is the line)
+            said = str(err).splitlines()[0] if str(err) else ""
+            failed.append(f"import {name}: {type(err).__name__}: {said}")
+    return failed
 
 
 def target_tags(python: str) -> set[str]:
@@ -179,11 +307,12 @@ def add_data(dists: dict[str, md.Distribution], site: Path) -> list[str]:
     return added
 
 
-def build(python: str, target_has: list[str], out: Path, level: int = LEVEL) -> Path:
+def build(python: str, machine: dict, out: Path, level: int = LEVEL) -> Path:
     dists = installed()
-    needed = closure(dists)
-    has = {norm(n) for n in target_has} - {norm(n) for n in SAME_AS_HERE}
-    carried = [n for n in needed if n != norm(PROJECT) and n not in has and not NEVER.match(n)]
+    found = resolve(dists, machine, python)
+    if found["conflicts"]:
+        raise SystemExit("gpu-bundle: " + "\ngpu-bundle: ".join(found["conflicts"]))
+    carried = found["carried"]
     accepted = target_tags(python)
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     copied = [n for n in carried if python == here or wheel_tags(dists[n]) & accepted]
@@ -204,7 +333,12 @@ def build(python: str, target_has: list[str], out: Path, level: int = LEVEL) -> 
             "built_with": sys.version.split()[0],
             "carried": {n: dists[n].version for n in carried},
             "downloaded_for_the_target": fetched,
-            "left_to_the_target": sorted(n for n in needed if n in has or NEVER.match(n)),
+            "left_to_the_target": found["left"],
+            "checked_on_the_target": found[
+                "gate"
+            ],  # machine packages of unknown version a requirement bounds
+            "requires": demands(dists, python),  # what the gate checks there
+            "imports": sorted({m for n in carried for m in top_modules(dists[n])}),
             "data": data,
             "left_out": [DROPPED.pattern, *sorted(DATA_LEFT_OUT)],
         }
@@ -230,10 +364,19 @@ def main(argv=None) -> int:
         + sysconfig.get_python_version(),
     )
     parser.add_argument(
-        "--target-has",
-        default=" ".join(GPU_MACHINE_HAS),
-        help="distributions the target has already, space- or comma-separated (default: the GPU machines lent "
-        "here); transformers, huggingface-hub, accelerate and peft are carried anyway",
+        "--machine",
+        type=Path,
+        default=MACHINE_FILE,
+        help="the GPU machine's packages and the versions read of them (default: %(default)s); transformers, "
+        "huggingface-hub, accelerate and peft are carried anyway",
+    )
+    parser.add_argument(
+        "--check",
+        type=Path,
+        metavar="BUNDLE_JSON",
+        help="on the GPU machine (the bundle on PYTHONPATH): the gate. Every requirement bundle.json lists met "
+        "by what this Python imports, every pipeline module and bundled package imported; one line for each "
+        "that is not, exit 1",
     )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "outputs" / "gpu-bundle", help="where it is written"
@@ -247,7 +390,12 @@ def main(argv=None) -> int:
         f"{MAX_MB} MB limit holds at the default)",
     )
     args = parser.parse_args(argv)
-    bundle = build(args.python, re.split(r"[\s,]+", args.target_has.strip()), args.out, args.level)
+    if args.check:
+        failed = check(args.check)
+        for line in failed or [f"every requirement met, every module imported ({args.check})"]:
+            print(f"gpu-gate: {line}", flush=True)
+        return 1 if failed else 0
+    bundle = build(args.python, json.loads(args.machine.read_text()), args.out, args.level)
     print(bundle)
     return 0
 

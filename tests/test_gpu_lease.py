@@ -1,6 +1,7 @@
 """What a lent GPU machine runs, checked on this CPU machine: `make gpu-bundle` (bench/gpu_bundle.py), the lease
 script (bench/gpu_lease.sh) and the real-size steps of bench/gpu_check.py."""
 
+import json
 import os
 import re
 import signal
@@ -107,6 +108,12 @@ def test_the_bundle_runs_a_job_in_a_python_that_has_only_it_and_what_a_gpu_machi
     done = subprocess.run([python, "-c", imports], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().startswith(str(site))  # the bundle's transformers, not the machine's
+    # the lease's gate passes there: every requirement met, every module imported
+    gate = [python, "-m", "bench.gpu_bundle", "--check", str(unpacked / "bundle.json")]
+    done = subprocess.run(gate, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "gpu-gate: every requirement met" in done.stdout, (
+        done.stdout + done.stderr[-3000:]
+    )
 
     # every test file collects there (the lease's last step runs every test marked gpu)
     collected = subprocess.run(
@@ -151,6 +158,72 @@ def test_the_bundle_carries_what_the_gpu_machine_lacks_and_leaves_it_its_torch()
     assert not gpu_bundle.DROPPED.search("bitsandbytes/libbitsandbytes_cuda130.so")
     for name in ("torch", "numpy", "pandas", "nvidia-cublas-cu12"):
         assert gpu_bundle.NEVER.match(name) or name in gpu_bundle.GPU_MACHINE_HAS
+
+
+def test_every_bundled_requirement_is_met_on_the_recorded_gpu_machine():
+    """The bundle for the GPU machine as recorded (bench/gpu_machine.json): nothing in conflict; each package left
+    to it meets every requirement on it where its version is known, each of unknown version that a requirement
+    bounds is checked there by the gate, and torch, numpy and their kin are never carried. Checked here against
+    every requirement of every distribution, read afresh from its metadata."""
+    from packaging.requirements import Requirement
+
+    dists = gpu_bundle.installed()
+    found = gpu_bundle.resolve(dists, gpu_bundle.GPU_MACHINE, "3.12")
+    assert found["conflicts"] == []
+    assert {"regex", "fsspec", "transformers", "mlflow"} <= set(found["carried"])
+    assert {"torch", "numpy", "pyarrow"} <= set(found["left"]) and not {"torch", "numpy"} & set(
+        found["carried"]
+    )
+    recorded = {gpu_bundle.norm(n): v for n, v in gpu_bundle.GPU_MACHINE["packages"].items()}
+    env = {"python_version": "3.12", "python_full_version": "3.12.3"}
+    for name in gpu_bundle.closure(dists, python="3.12"):
+        for line in dists[name].requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+                continue
+            target = gpu_bundle.norm(req.name)
+            if target not in found["left"] or not str(req.specifier):
+                continue
+            if recorded.get(target) is not None:
+                assert req.specifier.contains(recorded[target], prereleases=True), (name, line)
+            else:
+                assert f"{name}: {target}{req.specifier}" in found["gate"][target], (name, line)
+
+
+def test_a_requirement_the_machine_cannot_meet_is_one_line_each():
+    """A made-up machine whose torch is older than bitsandbytes and accelerate need: the bundle cannot carry
+    torch, so each requirement it does not meet is a line naming both sides; a package it can carry (an old
+    regex) is carried instead."""
+    machine = json.loads(json.dumps(gpu_bundle.GPU_MACHINE))
+    machine["packages"] |= {"torch": "2.3.0", "regex": "2020.1.8"}
+    machine["carry"] = []
+    found = gpu_bundle.resolve(gpu_bundle.installed(), machine, "3.12")
+    assert "regex" in found["carried"]
+    lines = found["conflicts"]
+    assert any(
+        re.fullmatch(
+            r"bitsandbytes \S+ requires torch<3,>=2\.4; the GPU machine has torch 2\.3\.0 \(its own build: not carried\)",
+            line,
+        )
+        for line in lines
+    ), lines
+    assert all("torch 2.3.0" in line for line in lines)
+
+
+def test_the_gate_names_the_package_and_the_versions_in_conflict(tmp_path):
+    """On the machine, the gate checks bundle.json's requirements against what this Python imports: one line for
+    each that is not met, naming the requirer, the requirement and the version found, before any import."""
+    import importlib.metadata as md
+
+    manifest = tmp_path / "bundle.json"
+    requires = {"transformers": ["regex>=9999", "tqdm>=4.0"], "mlflow": ["no-such-package>=1"]}
+    manifest.write_text(
+        json.dumps({"carried": {"transformers": "5.99.0"}, "requires": requires, "imports": []})
+    )
+    assert gpu_bundle.check(manifest) == [
+        f"transformers 5.99.0 requires regex>=9999; this machine has regex {md.version('regex')}",
+        "mlflow requires no-such-package>=1; this machine has no no-such-package",
+    ]
 
 
 def lease(tmp_path: Path, *args: str, python: Path | None = None) -> tuple[subprocess.Popen, Path, Path]:
@@ -250,13 +323,41 @@ def test_what_a_step_leaves_running_is_killed_before_the_next(tmp_path):
     assert not running(int((tmp_path / "left.pid").read_text()))
 
 
+@pytest.mark.slow  # about 15 s
+def test_the_job_starter_is_kept_across_steps_and_its_jobs_are_not(tmp_path):
+    """A step that leaves a job starter (a process running `pipeline.starter`, here a stand-in) and a job forked
+    from it: the job is killed after the step, the starter serves the next step (still running there), and the
+    lease's end takes it too."""
+    code = "import os, sys, time; child = os.fork(); print(os.getpid() if child else '', flush=True); time.sleep(300)"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ " $* " == *" pytest "* && " $* " == *test_two_jobs_started_warm* ]]; then\n'
+        f'  setsid {sys.executable} -c "{code}" pipeline.starter > {tmp_path / "starter.pid"} &\n'
+        "  sleep 2; exit 0\n"
+        'elif [[ " $* " == *" pytest "* ]]; then\n'
+        f"  kill -0 $(cat {tmp_path / 'starter.pid'}) && echo alive > {tmp_path / 'seen'}; exit 0\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    proc, out, _ = lease(tmp_path, "--only", "quick,rest", python=wrapper)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    summary = (out / "summary.md").read_text()
+    assert "| quick | ok; 1 process(es) it left killed |" in summary and "| rest | ok |" in summary, summary
+    assert (tmp_path / "seen").read_text().strip() == "alive"
+    assert not running(int((tmp_path / "starter.pid").read_text().split()[0]))
+
+
 def test_the_lease_refuses_an_unknown_step_in_one_line(tmp_path):
     proc, out, _ = lease(tmp_path, "--only", "quick,warp")
     output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert (
         output.strip()
-        == "gpu_lease: unknown step 'warp' (allowed: quick, batch_search, sweep_budget, real_size, rest)"
+        == "gpu_lease: unknown step 'warp' (allowed: gate, sweep, real_size, batch_search, real_size_2, quick, "
+        "budget, rest)"
     )
 
 
@@ -267,6 +368,7 @@ def test_the_real_size_steps_run_only_when_named():
     assert all(
         s.overrides["model"] == "llama-3.1-8b" and s.overrides["train.max_length"] == "1024" for s in real
     )
+    assert all(s.overrides["batch_size"] == "1" for s in real)  # batch 2: the lease's real_size_2
     assert REAL_GOAL_PCT == 3.0
 
 
@@ -276,7 +378,7 @@ def test_the_real_size_steps_check_each_peak_against_its_plan_on_cpu(tmp_path):
     CPU: every job finishes and each peak is within 3% of its plan."""
     command = [sys.executable, "-m", "bench.gpu_check", "--only", "real_qlora,real_full", "--allow-cpu"]
     command += ["--no-docs", "--out", str(tmp_path / "check")]
-    for setting in ("model=llama-tiny", "train.max_length=128"):
+    for setting in ("model=llama-tiny", "train.max_length=128", "batch_size=1,2"):
         command += ["--set", setting]
     proc = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
