@@ -140,8 +140,9 @@ def page(
         "every figure is a training step simulated on fake tensors (docs/plan.md), for a CUDA target; no GPU "
         "measured any of it.** The plan's one-process figures are within 5% of measured peaks on CPU "
         "([plan-accuracy.md](plan-accuracy.md)). Its CUDA plan has met a GPU once, on MiniLM on an H200 "
-        "(AdamW −0.7%, 8-bit AdamW +2.9%, Adafactor −13.1%, and −1.3% when planned again with its reduction buffers counted: "
-        "[gpu.md](gpu.md#the-first-run-on-a-gpu)); the decoders, bf16 and several GPUs are untested on a GPU.",
+        "(AdamW −0.7%, 8-bit AdamW +2.9%, Adafactor −13.1%; planned again with CUDA's reduction buffers and "
+        "dropout counted, −0.8%, 0.0% and −1.3%, not rerun on a GPU: [gpu.md](gpu.md#the-first-run-on-a-gpu)); "
+        "the decoders, bf16 (CUDA's autocast policy) and several GPUs are untested on a GPU.",
         "",
         "Each cell: the smallest number of GPUs of that kind on which one sample per GPU fits, with the "
         "sharding that gets there first (docs/plan.md: `zero1` ZeRO-1, `zero2` ZeRO-2, `fsdp` FSDP full "
