@@ -93,9 +93,7 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
                 config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
             )
             if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
-                shards = plan_ranks.Layout(
-                    again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb
-                )
+                shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
                 found = rank_metrics(again, shards, changed, budget, extra)
                 peak, batch = found["predicted_peak_mb"], found["predicted_max_batch_size"]
             else:

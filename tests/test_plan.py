@@ -1,7 +1,6 @@
 """Plan before you train (`plan=true`): a training step simulated on fake tensors, its parts and peak, the
 largest batch that fits, the report's plan table, and a sample of the accuracy matrix (`make plan-accuracy`)."""
 
-
 import pytest
 import torch
 
