@@ -1,33 +1,17 @@
-"""`make test-gpu`: what the pipeline measures on a GPU, checked against what it should be, in under 12 minutes.
+"""`make test-gpu`: what the pipeline measures on a GPU, checked against what it should be, in under 12 minutes
+(docs/gpu.md#make-test-gpu says each step and check).
 
-First the GPUs: torch must see the GPUs `nvidia-smi -L` lists (a torch wheel that does not match the driver sees
-none); when it does not, the check stops there with one line and fails. Then each step runs as a process group of
-its own under a time-out (at the deadline the group gets SIGTERM, then SIGKILL GRACE_S later, and the step fails
-as "timed out after N s"), and its figures are checked, each a named check of the summary:
+First the GPUs: torch must see those `nvidia-smi -L` lists, else the check stops with one line and fails. Then
+each step (STEPS: known_allocation, sweep, budget, batch_search, ddp with 2 GPUs; real_qlora, real_lora,
+real_full only when named, as bench/gpu_lease.sh names them) runs as a process group of its own under a time-out
+(SIGTERM at the deadline, SIGKILL GRACE_S later), and its figures are checked, each a named check of the
+summary: peaks against the plan for this GPU (PLAN_GOAL_PCT; REAL_GOAL_PCT for Llama-3.1-8B's real-size points),
+an out-of-memory point that fails alone, warm parallel jobs' own peaks, the batch search within its budget.
 
-1. known_allocation: the pipeline's peak tracker (pipeline.memory.PeakMemory) around a 256 MiB tensor;
-2. sweep: model=minilm, both backends x adamw, adafactor, adamw_8bit: every job finishes on the GPU, and each
-   one's peak is within 5% of the plan's prediction (`peak_memory_mb` against `predicted_peak_mb`, read from the
-   sweep's MLflow store);
-3. budget: launcher=parallel (jobs started warm), batch 4096, 8 and 32 within memory_budget_mb=2000: batch 4096
-   ends as one FAILED run with reason `oom` while the sweep goes on, and the other two each record their own
-   peak (within 5% of their own plans, the larger batch's the larger);
-4. batch_search: find_batch_size=true on the Trainer backend within 1000 MB ends with a batch;
-5. ddp: a 2-rank Trainer DDP job over NCCL (launcher.nproc_per_job=2), skipped with fewer than 2 GPUs.
-
-Run only when named (`--only real_qlora,real_lora,real_full`; bench/gpu_lease.sh names them): Llama-3.1-8B with
-random weights, made on the GPU, trained as a language model at 1024 tokens for 2 steps at batch 1 (`--set
-batch_size=2` for the next), with
-QLoRA and LoRA under mixed bf16 (the recipe: a bf16 base, fp32 adapters) and full fine-tuning with 8-bit AdamW
-(bf16 weights): every job finishes, and each
-one's peak is within REAL_GOAL_PCT of the plan for the GPU it ran on.
-
-Each step's time-out is 1.5 times what the first GPU run needed (docs/gpu.md, an H200: the known allocation 11 s,
-the batch search 46 s, a job started cold up to 40 s: JOB_S a job, START_S a command's own start). They sum to
-less than 12 minutes on one GPU with the script's own work (`one_gpu_budget_s`). The
-summary (steps, checks with measured against expected, the sweep's figures) is printed and written to
-OUT/summary.md; only when every check passed on a GPU does it also go into docs/gpu.md between the gpu-check
-markers. The exit code is 1 when a step or a check failed.
+Each time-out is 1.5 times what the first GPU run needed (an H200: the known allocation 11 s, the batch search
+46 s, a job started cold up to 40 s: JOB_S a job, START_S a sweep's own start), under 12 minutes on one GPU in
+all (`one_gpu_budget_s`). The summary is printed and written to OUT/summary.md, and into docs/gpu.md between the
+gpu-check markers only when every check passed on a GPU. The exit code is 1 when a step or a check failed.
 """
 
 from __future__ import annotations
@@ -47,9 +31,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from bench.gpu_summary import DOCS, figure_rows, status, summary_text, write_docs
+
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "gpu.md"
-START, END = "<!-- gpu-check:start -->", "<!-- gpu-check:end -->"
 BUDGET_S = 12 * 60  # the whole check on one GPU
 # the time-outs: 1.5 x what the first GPU run needed (an H200, 2026-12-04; docs/gpu.md)
 JOB_S = 60  # a job: 1.5 x the slowest cold job's 40 s (a warm one needs far less)
@@ -364,11 +348,6 @@ def job_runs(store: Path) -> list:
     ]
 
 
-def status(run) -> str:
-    reason = run.data.tags.get("failure_reason")
-    return run.info.status + (f" ({reason})" if reason else "")
-
-
 def on(run, device: str) -> bool:
     return run.data.params.get("device", "").startswith(device)
 
@@ -495,71 +474,6 @@ def ddp_checks(runs: list) -> list[Check]:
         f"in sync {m.get('params_in_sync')}, peaks {' / '.join(f'{p or 0:.1f}' for p in ranks)} MB"
     )
     return [Check(name, ok, measured, expected)]
-
-
-COLUMNS = {  # summary column <- MLflow metric
-    "state [MB]": "optimizer_state_mb",
-    "estimate [MB]": "estimated_optimizer_state_mb",
-    "peak [MB]": "peak_memory_mb",
-    "reserved [MB]": "peak_memory_reserved_mb",
-    "breakdown [MB]": "peak_breakdown_mb",
-    "untracked [MB]": "peak_untracked_mb",
-    "predicted [MB]": "predicted_peak_mb",
-    "prediction error [%]": "predicted_peak_error_pct",
-    "samples/s": "train_samples_per_second",
-    "warm-up [s]": "train_warmup_s",
-}
-
-
-def figure_rows(runs: list, step: str = "sweep") -> list[dict]:
-    """A sweep's jobs: status, backend, optimizer (and a real-size point's method, precision and batch) and the
-    figures of COLUMNS."""
-    rows = []
-    for r in runs:
-        row = {"step": step} if step != "sweep" else {}
-        row |= {
-            "backend": r.data.params.get("backend"),
-            "optim": r.data.params.get("optim"),
-            **{k: r.data.params.get(k) for k in ("method", "precision", "batch_size") if step != "sweep"},
-            "status": status(r),
-        }
-        row |= {col: r.data.metrics.get(key) for col, key in COLUMNS.items()}
-        row["breakdown"] = r.data.tags.get("peak_breakdown", "")
-        rows.append(row)
-    order = ("step", "backend", "optim", "method", "precision")
-    return sorted(
-        rows, key=lambda row: (*(str(row.get(k, "")) for k in order), int(row.get("batch_size") or 0))
-    )
-
-
-def markdown(rows: list[dict], first: str | None = None) -> list[str]:
-    if not rows:
-        return ["(none)"]
-    every = [first] if first else []
-    every += [c for row in rows for c in row if c != first]
-    columns = [c for c in dict.fromkeys(every) if any(row.get(c) not in (None, "") for row in rows)]
-
-    def cell(v) -> str:
-        if v is None:
-            return ""
-        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "/")
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    return lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-
-
-def result(ok: bool | None) -> str:
-    return {True: "ok", False: "FAILED", None: "skipped"}[ok]
-
-
-def write_docs(page: Path, text: str) -> bool:
-    """Put `text` between the gpu-check markers of `page`; False when the page has no such section."""
-    content = page.read_text() if page.exists() else ""
-    if START not in content or END not in content:
-        return False
-    head, rest = content.split(START, 1)
-    page.write_text(head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
-    return True
 
 
 def step_command(step: Step, overrides: dict[str, str], folder: Path, device: str) -> list[str]:
@@ -693,32 +607,12 @@ def main(argv=None) -> int:
 
     failed = [s for s in steps if s[1] is False] + [c for c in checks if c.ok is False]
     where = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
-    summary = [
+    header = (
         f"Run {datetime.now():%Y-%m-%d %H:%M} on {gpus_check.measured}; Python {platform.python_version()}; "
         f"took {total / 60:.1f} min (command: `{shlex.join(['python', '-m', 'bench.gpu_check', *given])}`; "
-        f"work folder `{where}`).",
-        "",
-        "| step | what | result | seconds | time-out [s] |",
-        "| --- | --- | --- | --- | --- |",
-        *[
-            f"| {s.name} | {s.what} | {result(ok)} ({note}) | {seconds:.0f} | {timeout:.0f} |"
-            for s, ok, seconds, note, timeout in steps
-        ],
-        "",
-        *([f"Every sweep also had `{' '.join(args.set)}` (--set).", ""] if args.set else []),
-        "| check | result | measured | expected |",
-        "| --- | --- | --- | --- |",
-        *[f"| {c.name} | {result(c.ok)} | {c.measured} | {c.expected} |" for c in checks],
-        "",
-        "Sweep and real-size jobs (MB = 2^20 bytes; peak = `torch.cuda.max_memory_allocated` on CUDA, the tensor tracker's peak "
-        "on CPU; reserved = `max_memory_reserved`; untracked = what the allocator held at step 2's start outside "
-        "the tensors the breakdown tracks):",
-        "",
-        *markdown(figures, "step" if any("step" in row for row in figures) else None),
-        "",
-        f"**{'all checks passed' if not failed else f'{len(failed)} failed'}**",
-    ]
-    text = "\n".join(summary)
+        f"work folder `{where}`)."
+    )
+    text = summary_text(header, steps, checks, figures, args.set, len(failed))
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(
         json.dumps({"checks": [vars(c) for c in checks], "jobs": figures}, indent=1)

@@ -138,9 +138,9 @@ leftovers() {  # kill what a step left running (in sessions of its own too), fou
     local pid parent killed=0
     for pid in $(grep -lszxF "GPU_LEASE=$$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
         [ "$pid" = "$$" ] && continue
-        if [ "${1:-}" != all ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q 'pipeline\.starter'; then
+        if [ "${1:-}" != all ] && cat "/proc/$pid/cmdline" 2>/dev/null | tr '\0' ' ' | grep -q 'pipeline\.starter'; then
             parent=$(awk '{print $4}' "/proc/$pid/stat" 2>/dev/null)
-            tr '\0' ' ' <"/proc/$parent/cmdline" 2>/dev/null | grep -q 'pipeline\.starter' || continue
+            cat "/proc/$parent/cmdline" 2>/dev/null | tr '\0' ' ' | grep -q 'pipeline\.starter' || continue
         fi
         kill -KILL "$pid" 2>/dev/null && killed=$((killed + 1))
     done

@@ -5,32 +5,25 @@ Warm (`launcher.start_jobs=warm`, the default for the local and parallel launche
 (`python -m pipeline.starter`) imports PRELOAD once (torch, transformers, accelerate, datasets, the job's own
 modules: seconds), then forks a fresh child per job (milliseconds). It starts as the command does where the
 command line shows a warm start (prestart_from_command), else once the config is composed; a sweep whose points
-were all FINISHED when the same command last ended (its note: FINISHED_NOTE) starts it only with a job that
-runs, if one does (ahead). The child has its own allocator, peak statistics and caches, as a new interpreter
-would, and the command's console (its stdin, stdout and stderr), folder and environment; a crash, `os._exit`, a
-signal or the out-of-memory killer ends that child alone, and the starter reports its exit status (negative:
-the signal) as the operating system does for a process of our own. Cold (`launcher.start_jobs=cold`):
-`python -m pipeline.job JOB_DIR` in a new interpreter. A job of several ranks (torchrun) and a job that a
-scheduler starts (submitit: SLURM or its local executor) always start cold.
+were all FINISHED when the same command last ended (FINISHED_NOTE) starts it only with a job that runs (ahead).
+The child has its own allocator, peak statistics and caches, and the command's console, folder and environment;
+a crash, `os._exit`, a signal or the out-of-memory killer ends that child alone, and the starter reports its exit
+status (negative: the signal) as the operating system does. Cold (`launcher.start_jobs=cold`): `python -m
+pipeline.job JOB_DIR`. A job of several ranks (torchrun) or started by a scheduler (submitit) starts cold.
 
 A starter serves every command of the same user, interpreter, folder, environment, pipeline source, installed
 libraries and CPU set (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
-$PIPELINE_STARTER_KEEP_S seconds more (KEEP_ENV; default 0: it ends with the last command it served). Kept, the
-next command's jobs start without waiting for the imports. A command killed outright (SIGKILL) takes its
-running job with it: the starter kills the job whose command's connection closed.
+$PIPELINE_STARTER_KEEP_S seconds more (KEEP_ENV; default 0). Kept, the next command's jobs start without waiting
+for the imports. A command killed outright (SIGKILL) takes its running job with it.
 
 CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD imports only modules whose import
-leaves the driver alone on a CUDA build (pipeline.preload says which imports would not, and how it avoids
-them); torch's availability checks in the starter go through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), which does
-not initialise the driver. Should CUDA be initialised all the same once PRELOAD is imported, the starter serves
-no job: it writes why in its log (REFUSED) and ends, and the command's jobs start cold with that line; a later
-command of the same address reads the log and starts cold at once. Each child sets its whole environment
-(CUDA_VISIBLE_DEVICES from the sweep's GPU pool, its thread count, the console's level) before any torch work,
-and does not run when torch says it is in a bad fork (forked from a process with CUDA initialised): it exits
-with BAD_FORK, and its command starts it again cold (Job.wait), with the command's next jobs.
-
-The starter keeps the environment it was started with (what the libraries read at import: tqdm's delay, the
-hub's offline switches): a job whose environment differs in more than PER_JOB (a swept `log_level`) starts cold.
+leaves the driver alone on a CUDA build (pipeline.preload); torch's availability checks in the starter go through
+NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1). Should CUDA be initialised all the same, the starter serves no job: it
+writes why in its log (REFUSED) and ends, and the command's jobs start cold with that line (a later command of
+the same address reads the log and starts cold at once). Each child sets its whole environment (PER_JOB: its
+GPUs, threads) before any torch work, and a child forked from a process with CUDA initialised exits with
+BAD_FORK, and its command starts it again cold (Job.wait). A job whose environment differs from the starter's in
+more than PER_JOB (a swept `log_level`) starts cold.
 """
 
 from __future__ import annotations
@@ -57,15 +50,8 @@ STARTER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available(
 PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
 # overrides that decide whether a command's jobs start warm, or the environment they start in: a command with
 # one of them starts its starter once its config is composed (runner.prestart), not from its command line
-DECIDING = (
-    "launcher",
-    "plan",
-    "log_level",
-    "hydra/launcher",
-    "hydra.launcher",
-    "hydra.verbose",
-    "hydra.job.env_set",
-    "hydra.job.env_copy",
+DECIDING = tuple(
+    "launcher plan log_level hydra/launcher hydra.launcher hydra.verbose hydra.job.env_set hydra.job.env_copy".split()
 )
 # overrides of DECIDING keys to what the config has by default: they leave the start from the command line be
 DEFAULTS = ("launcher=local", "launcher.start_jobs=warm", "log_level=warning")
@@ -75,9 +61,8 @@ KEEP_ENV = "PIPELINE_STARTER_KEEP_S"  # seconds a starter waits for another comm
 ADDRESS_DIR = f"optimizer-sweep-starters-{os.getuid()}"  # in the temporary folder: sockets and logs
 CONNECT_WAIT_S = 30  # how long a job waits for a starter just started to listen
 REFUSED = "[starter] serves no job:"  # the line a starter that found CUDA initialised leaves in its log
-BAD_FORK = (
-    75  # a warm child's exit status when it finds itself forked after CUDA's initialisation (EX_TEMPFAIL)
-)
+# a warm child's exit status when it finds itself forked after CUDA's initialisation (EX_TEMPFAIL)
+BAD_FORK = 75
 STATUS = struct.Struct("q")  # a job's pid, then its exit status, as the starter sends them
 # beside the sockets, named by a digest of a sweep's command (finished_note): its points were all FINISHED when
 # it last ended, so the same command again is expected to run no job
@@ -189,12 +174,10 @@ def refusal(path: str) -> str | None:
 
 
 def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
-    """Whether this process has initialised CUDA (or was forked from one that had: a bad fork), as torch says,
-    or as the CUDA driver says: a CUDA runtime call that leaves torch's own flags unset (cudaGetDeviceCount,
-    which torch's availability check makes where NVML cannot answer) initialises the driver, and a fork after it
-    is as unusable. The driver's library merely loaded is not that: a CUDA build of torch loads it at import
-    (torch 2.11+cu130 on an H200, where a child forked after pipeline.preload's imports ran CUDA). So where
-    this process's memory map (`maps`) holds the library, the library is asked (driver_initialised)."""
+    """Whether this process has initialised CUDA (or was forked from one that had), as torch says, or as the
+    driver says: a CUDA runtime call that leaves torch's flags unset (cudaGetDeviceCount) initialises it too. Its
+    library merely loaded is not that (a CUDA build of torch loads it at import): where this process's memory
+    map (`maps`) holds the library, the library is asked (driver_initialised)."""
     import torch
 
     if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():

@@ -201,7 +201,7 @@ def gpu_check_command(tmp_path, *args: str) -> list[str]:
 
 
 def docs_page(tmp_path):
-    from bench.gpu_check import END, START
+    from bench.gpu_summary import END, START
 
     page = tmp_path / "gpu.md"
     page.write_text(f"# GPU\n\n{START}\nNot yet run.\n{END}\nafter\n")
@@ -321,7 +321,7 @@ def test_the_gpu_check_is_budgeted_under_12_minutes_on_one_gpu():
 
 
 def test_the_docs_section_is_replaced_between_its_markers(tmp_path):
-    from bench.gpu_check import END, START, write_docs
+    from bench.gpu_summary import END, START, write_docs
 
     page = docs_page(tmp_path)
     assert write_docs(page, "the summary")

@@ -1,6 +1,5 @@
-"""Every make target runs in CI: each one of the Makefile's .PHONY list is run by a test named in docs/testing.md's
-table of targets, at the smallest settings that still go through its real code, or that table says in one line why
-not. The list comes from the Makefile itself, so a new target without a smoke run fails here. The smoke runs that
+"""Every make target runs in CI: each one of the Makefile's .PHONY list is run by a test named in RUN_BY below, at
+the smallest settings that still go through its real code, or RUN_BY says in one line why not. The list comes from the Makefile itself, so a new target without a smoke run fails here. The smoke runs that
 no other file holds are below: `make bench ARGS=--smoke`, `make plan-accuracy` on one case, the servers that run
 until Ctrl-C (started, asked once, stopped with nothing left), `make ui` and `make server` stopped by one signal to
 make, `make lint`, `make clean`."""
@@ -30,18 +29,40 @@ def phony_targets() -> list[str]:
     return line.split(":", 1)[1].split()
 
 
-def target_table() -> dict[str, str]:
-    """docs/testing.md's table of make targets: target -> what runs it (a test, `file::name`) or why none does."""
-    text = (ROOT / "docs" / "testing.md").read_text()
-    section = text.split("## Make targets in CI", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
-    return {cells[0].strip().strip("`"): cells[1].strip() for cells in rows}
+RUN_BY = {  # make target -> the test that runs it (`file::name`), or why none does
+    "install": "not by a test: `.ci/run` installs through it (`make test-ci` depends on it)",
+    "run": "`tests/test_default_run.py::test_default_sweep_reaches_f1_and_records_everything` (its sweep as it ships)",
+    "report": "`tests/test_report.py::test_cli_defaults_to_the_latest_sweep_of_the_tracking_uri` (its command)",
+    "test": "not by a test: the suite without its slow tests, which CI runs whole (`make test-ci`)",
+    "test-slow": "not by a test: the suite's slow tests, which CI runs with the rest (`make test-ci`)",
+    "test-ci": "not by a test: it is what `.ci/run` runs",
+    "coverage": "not by a test: CI's selection again under coverage, about 1.3 times its time",
+    "test-cluster": "not by a test: the `cluster` tests, which CI runs with the rest (`make test-ci`)",
+    "test-matrix": "not by a test: the matrix rows CI leaves out by design (about 3 min; CI runs a sample)",
+    "test-gpu": "`tests/test_gpu_ready.py::test_the_gpu_check_runs_its_steps_and_checks_on_cpu` (`--allow-cpu`)",
+    "gpu-bundle": "`tests/test_gpu_lease.py::test_the_bundle_runs_a_job_in_a_python_that_has_only_it_and_what_a_gpu_machine_has`",
+    "ui": "`tests/test_browse.py::test_make_ui_opens_the_latest_sweeps_figures_on_the_first_screen` (its command, in Chromium); `tests/test_make_targets.py::test_make_ui_and_make_server_stop_with_one_signal_to_make`",
+    "server": "`tests/test_store.py::test_make_server_says_when_it_is_ready_and_filters_starlettes_warning`; `tests/test_make_targets.py::test_make_ui_and_make_server_stop_with_one_signal_to_make`",
+    "lint": "`tests/test_make_targets.py::test_make_lint_passes`",
+    "clean": "`tests/test_make_targets.py::test_make_clean_removes_the_runs_and_keeps_the_readme`",
+    "bench": "`tests/test_make_targets.py::test_make_bench_smoke_gives_every_goal_row_a_number` (`ARGS=--smoke`)",
+    "bench-full": "not by a test: `make bench`'s code with more repeats, steps and samples (hours); its smoke run covers every row",
+    "plan-accuracy": "`tests/test_make_targets.py::test_make_plan_accuracy_measures_one_case_against_its_plan`",
+    "plan-accuracy-ranks": "`tests/test_make_targets.py::test_make_plan_accuracy_ranks_measures_each_rank_against_its_plan`",
+    "fit-table": "`tests/test_fit_table.py::test_the_fit_table_has_task_and_method_columns_a_language_model_and_a_qlora_row` (its command's `main` on a sample)",
+    "methods-table": "not by a test: 14 jobs on DistilBERT and 7 plans of an 8B model (28 min); `tests/test_methods_table.py` checks its two sweeps' points and its page from recorded runs",
+    "optimizer-table": "`tests/test_optimizer_table.py::test_the_optimizer_table_puts_measured_analytic_and_meta_state_side_by_side` (its command on a sample)",
+    "bench-server": "`tests/test_postgres.py::test_eight_clients_at_once_lose_nothing_on_sqlite_and_postgres` (its clients, on both stores)",
+    "bench-server-slurm": "not by a test: 16 jobs through SLURM into a PostgreSQL server (10 min); `tests/test_slurm.py` sends sweeps through the same cluster",
+    "slurm-up": "`tests/test_make_targets.py::test_make_slurm_up_serves_until_ctrl_c_and_leaves_nothing`",
+    "postgres-up": "`tests/test_make_targets.py::test_make_postgres_up_serves_until_ctrl_c_and_leaves_nothing`",
+}
 
 
 def test_every_make_target_is_run_by_a_test_or_says_why_not():
-    table = target_table()
-    assert set(phony_targets()) - set(table) == set(), "make targets without a row in docs/testing.md"
-    assert set(table) - set(phony_targets()) == set(), "rows in docs/testing.md of targets the Makefile lacks"
+    table = RUN_BY
+    assert set(phony_targets()) - set(table) == set(), "make targets without an entry in RUN_BY"
+    assert set(table) - set(phony_targets()) == set(), "entries in RUN_BY of targets the Makefile lacks"
     for target, runner in table.items():
         tests = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", runner)
         if not tests:  # a reason, in words
