@@ -229,8 +229,8 @@ check() {  # CMD: a bench.gpu_check call of these steps, within the step's time-
         --within $((CURRENT_LIMIT - 5)) --set model.pretrained=false "$@")
     if [ -n "$allow_cpu" ] && [[ "$name" == real_size* ]]; then
         CMD+=(--allow-cpu --set model=llama-tiny --set train.max_length=128)
-    elif [ -n "$allow_cpu" ]; then
-        CMD+=(--allow-cpu --set model=tiny)
+    elif [ -n "$allow_cpu" ]; then  # (a budget the tiny model's batch 4096 passes on CPU, as in tests/test_gpu_ready.py)
+        CMD+=(--allow-cpu --set model=tiny --set memory_budget_mb=60)
     fi
 }
 set_command() {  # CMD: the step's command
