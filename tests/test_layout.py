@@ -96,7 +96,7 @@ def test_a_jobs_config_asks_each_module_once_where_it_can(tmp_path):
 README_BYTES = 8 * 1024
 TESTING_DOC_BYTES = 8 * 1024
 SOURCE_LINES = 700  # pipeline/, bench/, hydra_plugins/
-DOCS_PROSE_BYTES = 160_000
+DOCS_PROSE_BYTES = 124_000  # a fifth below the 155,821 of 2026-12-05
 GENERATED_DOCS = {"fit-table.md", "methods-table.md", "plan-accuracy.md", "optimizer-table.md"}
 GENERATED_DOCS |= {"optimizer-table-causal-lm.md", "benchmarks.md"}
 
