@@ -90,8 +90,9 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 def is_autocast_enabled(device_type: str | None = None) -> bool:
     """`torch.is_autocast_enabled` as a CUDA job answers it: asked without a device, or for "cuda", it answers
-    for CUDA's autocast, which the simulation's CPU autocast stands in for. (peft's 4-bit LoRA layer asks it
-    without a device and, told no, casts each adapter's input to the adapter's dtype first.)"""
+    for CUDA's autocast, which the simulation's CPU autocast stands in for. (transformers' Nemotron layer norm
+    asks it without a device, and so does peft's own 4-bit LoRA layer, which this pipeline's adapters do not
+    use.)"""
     return _ORIGINAL["is_autocast_enabled"](_as_cpu(device_type))
 
 
@@ -165,8 +166,8 @@ def _below_autocast():
 def _policy_kernel(name: str, policy: str):
     """A kernel for CPU's autocast key that runs `name` under CUDA's `policy`: its floating inputs cast to fp32
     ("fp32") or to the autocast dtype ("lower"), or fp32 as its dtype when none is asked ("set_opt_dtype"),
-    then the op below autocast; "parts": the op's own decomposition, each part under autocast ("none": below
-    it, for an op that has no parts)."""
+    then the op below autocast; "parts": the op's own decomposition, each part under autocast (an op without
+    one: below autocast, its inputs as they are)."""
     op = _op(name)
     dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
