@@ -129,7 +129,7 @@ def resolve(dists: dict[str, md.Distribution], machine: dict, python: str) -> di
     unknown version too, but those it names to carry (`carry`: a requirement here is newer than it may have),
     and the gate checks them there where a requirement bounds them (`gate`). The others are carried at this
     environment's versions, but the machine's own compiled stack (NEVER), which cannot be: a requirement its
-    recorded version does not meet is a conflict, one line each."""
+    recorded version does not meet is a conflict, one line each. `requires`: `demands`, for the gate."""
     has = {norm(n): v for n, v in machine["packages"].items()}
     wanted: dict[str, list[tuple[str, Requirement]]] = {}
     needs = demands(dists, python)
@@ -137,13 +137,14 @@ def resolve(dists: dict[str, md.Distribution], machine: dict, python: str) -> di
         for line in lines:
             req = Requirement(line)
             wanted.setdefault(norm(req.name), []).append((requirer, req))
+    same, carry = {norm(n) for n in SAME_AS_HERE}, {norm(n) for n in machine.get("carry", ())}
     carried, left, gate, conflicts = [], [], {}, []
     for name in needs:
         if name == norm(PROJECT):
             continue
         bounded = [(who, r) for who, r in wanted.get(name, []) if str(r.specifier)]
         version = has.get(name)
-        if name in {norm(n) for n in SAME_AS_HERE} or (name not in has and not NEVER.match(name)):
+        if name in same or (name not in has and not NEVER.match(name)):
             carried.append(name)
         elif version is not None:
             unmet = [(who, r) for who, r in bounded if not r.specifier.contains(version, prereleases=True)]
@@ -157,13 +158,13 @@ def resolve(dists: dict[str, md.Distribution], machine: dict, python: str) -> di
                 ]
             else:
                 carried.append(name)
-        elif name in {norm(n) for n in machine.get("carry", ())}:
+        elif name in carry:
             carried.append(name)
         else:
             left.append(name)
             if bounded:
                 gate[name] = sorted(f"{who}: {r}" for who, r in bounded)
-    return {"carried": carried, "left": left, "gate": gate, "conflicts": conflicts}
+    return {"carried": carried, "left": left, "gate": gate, "conflicts": conflicts, "requires": needs}
 
 
 def top_modules(dist: md.Distribution) -> set[str]:
@@ -337,10 +338,9 @@ def build(python: str, machine: dict, out: Path, level: int = LEVEL) -> Path:
             "carried": {n: dists[n].version for n in carried},
             "downloaded_for_the_target": fetched,
             "left_to_the_target": found["left"],
-            "checked_on_the_target": found[
-                "gate"
-            ],  # machine packages of unknown version a requirement bounds
-            "requires": demands(dists, python),  # what the gate checks there
+            # machine packages of unknown version that a requirement bounds; every requirement, for the gate
+            "checked_on_the_target": found["gate"],
+            "requires": found["requires"],
             "imports": sorted({m for n in carried for m in top_modules(dists[n])}),
             "data": data,
             "left_out": [DROPPED.pattern, *sorted(DATA_LEFT_OUT)],

@@ -10,6 +10,7 @@ a CPU job runs. docs/plan.md (a CUDA target) lists every op of a step whose save
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -191,6 +192,22 @@ def _policy_kernel(name: str, policy: str):
     return kernel
 
 
+@functools.cache
+def _policies() -> dict[str, str]:
+    """Each op whose CUDA autocast policy CPU's autocast lacks, and that policy (`_policy_kernel`): asked of
+    the dispatcher once a process."""
+
+    def cpu_has(name: str) -> bool:  # a kernel of CPU's autocast's own
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCPU")
+
+    return {
+        **{n: "fp32" for n in CUDA_FP32 if not cpu_has(n)},
+        **{n: "lower" for n in CUDA_LOWER_PRECISION if not cpu_has(n)},
+        **{n: "set_opt_dtype" for n in CUDA_FP32_SET_OPT_DTYPE},
+        **{n: "parts" for n in CPU_ONLY_FP32},
+    }
+
+
 @contextlib.contextmanager
 def cuda_autocast():
     """Within it, the simulation's autocast (CPU's, on the fake CPU tensors) casts as CUDA's does: for each op
@@ -200,30 +217,15 @@ def cuda_autocast():
     CUDA's leaves to its parts, undone. Registered while it lasts, CPU's own policy again after."""
     import warnings
 
-    has_cpu = {n for n in CUDA_FP32 + CUDA_LOWER_PRECISION if _cpu_policy(n)}
-    policies = {
-        **{n: "fp32" for n in CUDA_FP32 if n not in has_cpu},
-        **{n: "lower" for n in CUDA_LOWER_PRECISION if n not in has_cpu},
-        **{n: "set_opt_dtype" for n in CUDA_FP32_SET_OPT_DTYPE},
-        **{n: "parts" for n in CPU_ONLY_FP32},
-    }
     library = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():  # (replacing CPU's kernel of an op both list: prod, cross-entropy)
             warnings.filterwarnings("ignore", "Warning only once for all operators")
-            for name, policy in policies.items():
+            for name, policy in _policies().items():
                 library.impl(name, _policy_kernel(name, policy), "AutocastCPU")
         yield
     finally:
         library._destroy()
-
-
-def _cpu_policy(name: str) -> bool:
-    """Whether CPU's autocast has a kernel of its own for the op `name`."""
-    base, _, overload = name.partition(".")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"aten::{base}" + (f".{overload}" if overload else ""), "AutocastCPU"
-    )
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ gradient checkpointing, and the optimizer's own step (torch's per-tensor loop on
 CUDA target, as torch picks by default there). For a CUDA target, the kernels whose saved tensors differ from
 CPU's run as on CUDA (pipeline.cuda_kernels): attention the fused kernel torch's CUDA dispatch picks (the output
 and the logsumexp saved, not the probabilities the CPU's math path keeps), dropout its fused kernel (a 1-byte
-mask, not a noise tensor), and the autocast query answers for CUDA's autocast. A storage tracker
+mask, not a noise tensor), autocast casts as CUDA's does, and the autocast query answers for it. A storage tracker
 (PyTorch's MemTracker, as the step-2 breakdown of a training job) follows every tensor's lifetime, so the
 parts are the same as a measured breakdown, a language model's `logits` part included (pipeline.memory.is_logits). An optimizer whose step cannot run on fake tensors (bitsandbytes' and torchao's kernels) gets its
 exact analytic state and its stated step temporaries instead (tag `plan_method`).
