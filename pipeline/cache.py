@@ -84,16 +84,19 @@ def write_json(path: Path, value) -> None:
     os.replace(tmp, path)
 
 
-def cached_dataset(folder: Path, inputs: list, build, manifest: str = "manifest.json") -> tuple[dict, dict]:
+def cached_dataset(
+    folder: Path, inputs: list, build, manifest: str = "manifest.json", files=()
+) -> tuple[dict, dict]:
     """Datasets made once and memory-mapped from then on: `build()` returns ({name: datasets.Dataset or None},
     a JSON value said of them), kept as datasets' Arrow files in `folder`/<key> beside that value (the file
-    `manifest`), the key made of `inputs`, the datasets version and the pipeline's code. The answer, read from
+    `manifest`), the key made of `inputs`, the `files` read (file_stamp: an edited file is read again), the
+    datasets version and the pipeline's code. The answer, read from
     there whether just made or found: ({name: Dataset}, the value). A folder appears whole or not at all
     (written aside, then renamed: a parallel job that kept the same datasets first wins) and its writing draws
     no progress bar of its own on the console."""
     import datasets
 
-    where = Path(folder) / key(*inputs, datasets.__version__)
+    where = Path(folder) / key(*inputs, [file_stamp(f) for f in files], datasets.__version__)
     if not (where / manifest).exists():
         parts, said = build()
         tmp = where.with_name(f".{where.name}.{os.getpid()}")

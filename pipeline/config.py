@@ -18,8 +18,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline import adapters
-from pipeline.data import FILE_BUILDERS, PACKAGED, TEXT_ONLY
-from pipeline.eval_sample import AUTO
+from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
 from pipeline.slurm import cpus_per_task as _slurm_resolvers  # noqa: F401 (registers conf/launcher/slurm.yaml's)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import cache
+from pipeline import cache, models
 
 IGNORE_INDEX = -100  # a label the loss leaves out (torch's cross_entropy ignore_index, transformers' padding)
 # a file's type -> the `datasets` loader that reads it; a .txt file is one text per line (datasets' text loader)
@@ -232,15 +233,15 @@ def dataset_inputs(splits: Splits, cfg: DictConfig) -> list[dict]:
     ]
 
 
-def source_stamp(cfg: DictConfig) -> list | None:
-    """The local files the splits are read from, stamped (cache.file_stamp); None for a dataset on the hub
-    (datasets keeps its own cache of downloads)."""
+def source_files(cfg: DictConfig) -> list | None:
+    """The local files or folders the splits are read from; None for a dataset on the hub (datasets keeps its
+    own cache of downloads)."""
     if cfg.loader in PACKAGED_FILES:
-        return cache.file_stamp(packaged_path(cfg.loader))
+        return [packaged_path(cfg.loader)]
     if cfg.loader == "files":
-        return [cache.file_stamp(cfg.train_file), cache.file_stamp(cfg.eval_file)]
+        return [cfg.train_file, cfg.eval_file]
     if cfg.loader == "hub" and Path(cfg.path).exists():
-        return cache.file_stamp(cfg.path)
+        return [cfg.path]
     return None
 
 
@@ -253,8 +254,8 @@ def read_splits(cfg: DictConfig, outputs_dir, task: str = "classification") -> S
     the key made of the data config, the files' sizes and modification times, the datasets version and the
     pipeline's code. Every job gets them from there, memory-mapped, so that `tokenize` keeps its result beside
     them too."""
-    stamp = source_stamp(cfg)
-    if stamp is None:
+    files = source_files(cfg)
+    if files is None:
         splits = load_splits(cfg, task)
         splits.inputs = dataset_inputs(splits, cfg)
         return splits
@@ -265,11 +266,65 @@ def read_splits(cfg: DictConfig, outputs_dir, task: str = "classification") -> S
         return parts, {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
 
     # (a language model's splits keyed apart: the same data config read without its labels)
-    inputs = [OmegaConf.to_container(cfg, resolve=True), stamp] + ([task] if task != "classification" else [])
-    parts, manifest = cache.cached_dataset(cache.folder(outputs_dir, "splits"), inputs, build, MANIFEST)
+    inputs = [OmegaConf.to_container(cfg, resolve=True)] + ([task] if task != "classification" else [])
+    parts, manifest = cache.cached_dataset(
+        cache.folder(outputs_dir, "splits"), inputs, build, MANIFEST, files
+    )
     return Splits(
         parts["train"], parts["eval"], manifest["label_names"], parts.get("val"), manifest["inputs"]
     )
+
+
+def prepare(cfg: DictConfig) -> tuple[object, Splits]:
+    """The data stage: (the model's tokenizer, the splits it tokenized). The splits are read once per sweep
+    (read_splits), a short run's evaluation splits cut to a sample (sample), then tokenized (tokenize) to
+    train.max_length tokens and the model's vocabulary; their `inputs` say what was read, for MLflow."""
+    splits = read_splits(cfg.data, cfg.outputs_dir, cfg.task.name)
+    splits, said = sample(cfg, splits)
+    if said and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[job] {said}", flush=True)
+    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, cfg.task.name)
+    tokenized = tokenize(splits, tokenizer, cfg.train.max_length, vocab, cfg.task.name, cfg.train.packing)
+    return tokenizer, tokenized
+
+
+AUTO = "auto"  # eval.sample=auto: a short run evaluates on a sample, so that its evaluation does not cost
+SHORT_RUN_STEPS = 50  # many times its training: a run of fewer optimizer steps is short
+SHORT_RUN_SAMPLE = 200  # and evaluates on the first this many texts of each split
+
+
+def eval_sample(cfg) -> int | None:
+    """The most texts of the test and the validation split a job evaluates on (`eval.sample`); None: all the
+    data keeps (data.max_eval_samples, data.max_val_samples). `auto` is SHORT_RUN_SAMPLE below SHORT_RUN_STEPS
+    steps."""
+    n = OmegaConf.select(cfg, "eval.sample", default=None)
+    if n == AUTO:
+        steps = OmegaConf.select(cfg, "train.max_steps")
+        return SHORT_RUN_SAMPLE if isinstance(steps, int) and steps < SHORT_RUN_STEPS else None
+    return n
+
+
+def sample(cfg: DictConfig, splits: Splits) -> tuple[Splits, str | None]:
+    """The splits (as read) with their test and validation splits cut to eval_sample's first texts, and the
+    line that says so (None when nothing was cut)."""
+    n = eval_sample(cfg)
+    kept = {
+        name: ds
+        for name, ds in (("eval", splits.eval), ("val", splits.val))
+        if n is not None and ds is not None and len(ds) > n
+    }
+    if not kept:
+        return splits, None
+    names = {"eval": "test", "val": "validation"}
+    said = " and ".join(f"{n:,} of {len(ds):,} {names[name]} texts" for name, ds in kept.items())
+    cut = replace(splits, **{name: ds.select(range(n)) for name, ds in kept.items()})
+    cut.inputs = dataset_inputs(cut, cfg.data)
+    why = (
+        f"a short run ({cfg.train.max_steps} steps, eval.sample=auto below {SHORT_RUN_STEPS})"
+        if OmegaConf.select(cfg, "eval.sample") == AUTO
+        else f"eval.sample={n}"
+    )
+    return cut, f"{why}: evaluating on {said}; eval.sample=null for all of them"
 
 
 def _first(ds, limit: int | None):

@@ -26,69 +26,34 @@ ADAPTER_DIR = "adapter"
 
 
 def load(cfg: DictConfig):
-    """The job's tokenizer, tokenized splits (their `inputs`: the splits as read, for MLflow) and model."""
-    import torch
+    """The data and model stages: (tokenizer, tokenized splits, model)."""
+    from pipeline import data, models
 
-    from pipeline import adapters, data, eval_sample, models
-
-    # the data first: the model's classes are the splits' labels; then the tokenizer and the model, whose
-    # vocabulary the tokenized splits keep to
-    splits = data.read_splits(cfg.data, cfg.outputs_dir, cfg.task.name)  # (`inputs`: as read, for MLflow)
-    splits, sampled = eval_sample.cut(cfg, splits)  # a short run evaluates on a sample
-    if sampled and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[job] {sampled}", flush=True)
-    labels = splits.label_names
-    tokenizer = models.load_tokenizer(cfg.model)
-    # where the job trains: random weights are made there, qlora's 4-bit base is quantized there
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    # bf16_pure: bf16 weights, no fp32 master copy (the optimizer's state follows their dtype); with adapters the
-    # frozen base in peft.base_dtype (the compute dtype: bf16 under bf16) and the trained weights in
-    # peft.adapter_dtype (fp32)
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
-    trained = None
-    if cfg.peft.name != "none":
-        dtype, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
-    model = models.load_model(cfg.model, len(labels), labels, cfg.task.name, device, dtype)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if dtype is not None:  # pretrained weights come in their checkpoint's dtype
-        model.to(dtype)
-    if cfg.peft.name != "none":  # adapters on the frozen base
-        model = adapters.apply(
-            model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
-        )
-    splits = data.tokenize(
-        splits, tokenizer, cfg.train.max_length, models.vocab_size(model), cfg.task.name, cfg.train.packing
-    )
-    return tokenizer, splits, model
+    tokenizer, splits = data.prepare(cfg)
+    return tokenizer, splits, models.build(cfg, splits.label_names, tokenizer.pad_token_id)
 
 
 def run(cfg: DictConfig, job_dir: Path) -> dict:
-    """load -> train (or search the largest batch) -> measure -> the record for the runner."""
+    """A job's stages, each entered once: data (read, sample, tokenize), model (load, dtypes, adapters), train
+    (or search the largest batch), measure (the figures beside the plan's prediction), and the record for the
+    runner (with the trained adapter where peft.save_adapter is set)."""
     import torch
     import transformers
 
-    from pipeline import backends, batch_size, data, distributed, measurements, optimizers
-    from pipeline.timing import StepTimer
+    from pipeline import backends, measurements, optimizers
 
-    # the optimizer asked of the registry once: its entry, the Trainer's optim= string, the estimate's variant
-    choice = optimizers.choose(cfg)
-    spec = choice.spec
-    distributed.check_world_size(cfg, "environment")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ValueError(
             "train.precision=fp16 needs a CUDA device and torch sees none: use bf16 or fp32 here"
         )
     transformers.set_seed(cfg.seed)
     tokenizer, splits, model = load(cfg)
-    if cfg.find_batch_size:
-        result = batch_size.fit_result(cfg, model, splits, choice, tokenizer, job_dir)
-    else:
-        collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length, cfg.task.name)
-        with StepTimer(model) as timer:
-            out = backends.get(cfg.backend.name).train(cfg, model, splits, spec, collate, job_dir)
-        result = measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)
-        if cfg.peft.get("save_adapter") and int(os.environ.get("RANK", "0")) == 0:
-            model.save_pretrained(job_dir / ADAPTER_DIR)  # the adapters and the head: what peft saves
+    # the optimizer asked of the registry once: its entry, the Trainer's optim= string, the estimate's variant
+    choice = optimizers.choose(cfg)
+    trained = backends.run(cfg, choice.spec, model, tokenizer, splits, job_dir)
+    result = measurements.measure(cfg, choice, model, splits, trained, job_dir)
+    if trained.output is not None and cfg.peft.get("save_adapter") and int(os.environ.get("RANK", "0")) == 0:
+        model.save_pretrained(job_dir / ADAPTER_DIR)  # the adapters and the head: what peft saves
     return {**result, "datasets": splits.inputs}  # the runner logs them as the run's dataset inputs
 
 
@@ -194,13 +159,14 @@ def run_description(metrics: dict, tags: dict | None = None) -> str:
 
 
 def main(job_dir: Path) -> int:
-    from pipeline import quiet, starter
+    from pipeline import distributed, quiet, starter
 
     starter.die_with_parent()
     quiet.install()  # before torch, transformers and torchao log anything
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     rank = int(os.environ.get("RANK", "0"))  # a job of several processes: only rank 0 reports
     try:
+        distributed.check_world_size(cfg, "environment")  # as many processes as the config says, or none
         result = run(cfg, job_dir)
     except BaseException as err:  # every failure goes to the runner: reason, figures, summary, traceback
         message = str(err).strip().splitlines()

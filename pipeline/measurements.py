@@ -254,6 +254,63 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     return store.get(["step", *inputs], figures)
 
 
+def measure(cfg, choice, model, splits, trained, job_dir: Path) -> dict:
+    """The measure stage: the record of what the train stage did (pipeline.backends.Trained), with the plan's
+    prediction beside what was measured: a training run's (training_result) or a batch search's
+    (search_result)."""
+    if trained.output is None:
+        return search_result(cfg, choice, model, splits, trained)
+    return training_result(
+        cfg, choice, model, splits, trained.collate, trained.output, trained.timer, job_dir
+    )
+
+
+def search_result(cfg, choice, model, splits, trained) -> dict:
+    """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by the
+    probes, pipeline.batch_size), beside the largest one the plan predicts for the same worst case (every text
+    train.max_length tokens); `choice`: the registry's answer for the job (`pipeline.optimizers.choose`)."""
+    from pipeline import plan
+
+    spec, budget, best, fitting = choice.spec, cfg.memory_budget_mb, trained.largest, trained.probes
+    metrics = {
+        "max_batch_size": best,
+        "model_num_params": sum(adapters.weights(p) for p in model.parameters()),
+    }
+    if budget is not None:
+        cuda = torch.cuda.is_available()
+        grid = cuda_reductions.device_grid() if cuda else None  # the GPU this job runs on
+        names = tuple(trained.input_names)
+        simulated = plan.simulate(
+            model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names, grid=grid
+        )
+        # the probes count a paged optimizer's paged state against the budget (pipeline.memory)
+        limit = plan.largest_batch(simulated, budget - simulated["paged"], cuda)
+        metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
+    if best:
+        at_best = fitting[best]
+        state = at_best.pop("state")
+        estimate = spec.estimate(optimizers.param_infos(model), cfg, choice.variant, model.config)
+        metrics.update({f"max_batch_{k}": v for k, v in at_best.items()})
+        metrics.update(
+            optimizer_state_mb=state.mb,
+            optimizer_state_numel=state.numel,
+            estimated_optimizer_state_mb=estimate.mb,
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        "metrics": metrics,
+        "series": {"probe_peak_mb": {n: f["peak_memory_mb"] for n, f in sorted(fitting.items())}},
+        "params": {
+            "device": device,
+            "num_labels": splits.num_labels,
+            "label_names": splits.labels_param,
+            "train_samples": len(splits.train),
+            "probe_padding": "max_length",
+        },
+        "tags": {**job_tags(spec, device), "mode": "find_batch_size"},
+    }
+
+
 def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
     """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
     the registry's answer for the job (`pipeline.optimizers.choose`)."""

@@ -74,6 +74,41 @@ def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
     return tokenizer
 
 
+def tokenizer_and_vocabulary(model_cfg: DictConfig, task: str = "classification") -> tuple[object, int]:
+    """(the model's tokenizer, the number of token ids its embeddings hold, read from its config: no weights
+    loaded)."""
+    return load_tokenizer(model_cfg), model_config(model_cfg, 1, None, task).vocab_size
+
+
+def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
+    """The model stage: the model a job trains (load_model) over the splits' classes, where it trains (the GPU
+    of this rank, else the CPU: random weights are made there, qlora's 4-bit base is quantized there), in its
+    dtypes, with its adapters (pipeline.adapters) where peft is set. bf16_pure: bf16 weights, no fp32 master copy
+    (the optimizer's state follows their dtype); with adapters the frozen base in peft.base_dtype and the
+    trained weights in peft.adapter_dtype (pipeline.adapters.dtypes)."""
+    import os
+
+    import torch
+
+    from pipeline import adapters
+
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    with_adapters = cfg.peft.name != "none"
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
+    trained = None
+    if with_adapters:
+        dtype, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
+    model = load_model(cfg.model, len(label_names), label_names, cfg.task.name, device, dtype)
+    model.config.pad_token_id = pad_token_id
+    if dtype is not None:  # pretrained weights come in their checkpoint's dtype
+        model.to(dtype)
+    if with_adapters:  # adapters on the frozen base
+        model = adapters.apply(
+            model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
+        )
+    return model
+
+
 def label_kwargs(num_labels: int, label_names: list[str] | None) -> dict:
     """The config's num_labels, and its id2label / label2id when the class names are known (what a saved
     config.json carries and a pipeline("text-classification") prints)."""

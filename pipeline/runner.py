@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import adapters, learning_rate, liveness, reference_lr
 from pipeline.config import ConfigError, validate
-from pipeline.eval_sample import eval_sample
+from pipeline.data import eval_sample
 from pipeline.job import CONFIG_FILE, ERROR_FILE, FAILURE_FILE, RESULT_FILE
 from pipeline.optimizers import ADDED_SETTINGS
 

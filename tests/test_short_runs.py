@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import data, learning_rate
-from pipeline.eval_sample import cut, eval_sample
+from pipeline.data import eval_sample, sample
 from pipeline.report.render import sample_note
 from pipeline.runner import config_hash, job_params
 from tests.conftest import compose_cfg, run_cli, sweep_runs
@@ -36,7 +36,7 @@ def test_a_short_run_evaluates_on_a_sample_and_is_a_point_of_its_own():
 def test_the_sample_is_each_splits_first_texts_and_its_line_names_it():
     cfg = compose_cfg("train.max_steps=5")
     splits = data.read_splits(cfg.data, cfg.outputs_dir)
-    sampled, line = cut(cfg, splits)
+    sampled, line = sample(cfg, splits)
     assert line == (
         "a short run (5 steps, eval.sample=auto below 50): evaluating on 200 of 1,000 test texts and 200 of 500 "
         "validation texts; eval.sample=null for all of them"
@@ -51,11 +51,11 @@ def test_the_sample_is_each_splits_first_texts_and_its_line_names_it():
         "eval": 200,
     }
     # a sample as large as a split leaves it whole
-    whole, line = cut(compose_cfg("eval.sample=500"), splits)
+    whole, line = sample(compose_cfg("eval.sample=500"), splits)
     assert (
         line.startswith("eval.sample=500: evaluating on 500 of 1,000 test texts;") and len(whole.val) == 500
     )
-    assert cut(compose_cfg(), splits) == (splits, None)
+    assert sample(compose_cfg(), splits) == (splits, None)
 
 
 def test_the_report_names_the_runs_a_sample_cut():

@@ -210,6 +210,47 @@ def optimizer_step_mode(spec, device):
     return contextlib.nullcontext()
 
 
+@dataclass
+class Trained:
+    """What the train stage hands the measure stage: a training run's output, the timer of its steps and the
+    collator that counted its batches' tokens; or a batch search's largest batch that fits and each fitting
+    probe's figures by batch size (pipeline.batch_size)."""
+
+    output: TrainOutput | None = None
+    timer: object = None  # pipeline.timing.StepTimer
+    collate: object = None  # pipeline.data.PaddingCollator
+    largest: int | None = None
+    probes: dict[int, dict] | None = None
+    input_names: tuple[str, ...] = ()  # the tensors of a batch, besides the labels (the tokenizer's)
+
+
+def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
+    """The train stage: the backend (`backend.name`) trains the model `train.max_steps` steps with the optimizer `spec`, its steps timed; with
+    find_batch_size=true it searches the largest batch that fits instead (pipeline.batch_size)."""
+    import torch
+
+    from pipeline import batch_size
+    from pipeline.data import PaddingCollator
+    from pipeline.timing import StepTimer
+
+    collate = PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length, cfg.task.name)
+    train = get(cfg.backend.name).train
+    if cfg.find_batch_size:
+        if cfg.memory_budget_mb is None and not torch.cuda.is_available():
+            raise ValueError(
+                "find_batch_size=true on CPU needs memory_budget_mb=<MB>: there is no device limit"
+            )
+
+        def collate_for(probe):
+            return PaddingCollator(tokenizer, probe.train.padding, probe.train.max_length)
+
+        largest, probes = batch_size.search(cfg, model, splits, spec, collate_for, job_dir, train)
+        return Trained(largest=largest, probes=probes, input_names=collate.input_names)
+    with StepTimer(model) as timer:
+        output = train(cfg, model, splits, spec, collate, job_dir)
+    return Trained(output, timer, collate, input_names=collate.input_names)
+
+
 def get(name: str):
     """The backend module (`name` is checked by pipeline.config before any job starts)."""
     return importlib.import_module(f"pipeline.backends.{name}")

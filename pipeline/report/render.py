@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from pipeline.eval_sample import SHORT_RUN_STEPS
+from pipeline.data import SHORT_RUN_STEPS
 from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
