@@ -81,7 +81,9 @@ def test_a_jobs_config_asks_each_module_once_where_it_can(tmp_path):
         climbs = {(c["from"], c["into"], c["call"]) for c in summary["climbs"]}
         assert not {c for c in climbs if c[:2] == ("measurements.py", "distributed.py")}, (run, climbs)
         # the splits' one call; the other climb back into the cache stamps the tokenizer's files
-        assert {c for c in climbs if c[:2] == ("data.py", "cache.py")} <= {("data.py", "cache.py", "file_stamp")}
+        assert {c for c in climbs if c[:2] == ("data.py", "cache.py")} <= {
+            ("data.py", "cache.py", "file_stamp")
+        }
         # the cache wraps what it keeps: the build is the one call back, and only on a miss
         assert (("cache.py", "data.py", "build") in climbs) == (run == "cold"), (run, climbs)
         assert not {c for c in climbs if c[0] == "job.py"}, (run, climbs)
