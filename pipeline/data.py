@@ -1,6 +1,6 @@
-"""Datasets -> train/eval splits with a `text` and an integer `label` column (for a language model, task=causal_lm,
-the text alone where the data has no labels), then tokenized (a language model's text optionally packed into full
-blocks)."""
+"""The data stage (`prepare`): datasets -> train/eval splits with a `text` and an integer `label` column (for a
+language model, task=causal_lm, the text alone where the data has no labels), a short run's evaluation sample, then
+tokenized (a language model's text optionally packed into full blocks)."""
 
 from __future__ import annotations
 

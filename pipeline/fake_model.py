@@ -1,6 +1,6 @@
 """The model a plan simulates: the job's model built on fake tensors (torch's FakeTensorMode: shapes, dtypes and
 devices, no data, no memory), from its architecture, in its dtypes, with its adapters where it has any, as a job
-builds it (pipeline.job.load, pipeline.adapters.apply). pipeline.plan runs its training step."""
+builds it (pipeline.models.build, pipeline.adapters.apply). pipeline.plan runs its training step."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _fake_model(
 
 
 def _with_adapters(model, settings: dict, task: str):
-    """A fake model as adapters.apply makes a job's (job.load): QLoRA's base Linear layers quantized to 4 bits
+    """A fake model as adapters.apply makes a job's (models.build): QLoRA's base Linear layers quantized to 4 bits
     by bitsandbytes' own quantization (on its fake kernels: adapters.quantize), LoRA's adapters by peft, which
     also sets what trains (the adapters, a classifier's head as a trainable copy beside the frozen one) and
     what is frozen. `alpha` is not among the settings (adapters.memory_settings): it scales the adapters'

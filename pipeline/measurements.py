@@ -1,6 +1,7 @@
-"""A finished training job's figures, assembled into the record the runner logs to MLflow (metrics, series,
-params, tags): the optimizer state against its estimate, the peak and its prediction, throughput and MFU on
-the steady steps, the eval figures, and the per-rank figures of a multi-process job."""
+"""The measure stage: a finished job's figures, assembled into the record the runner logs to MLflow (metrics,
+series, params, tags): the optimizer state against its estimate, the peak and its prediction, throughput and MFU
+on the steady steps, the eval figures, and the per-rank figures of a multi-process job; for a batch search, the
+largest batch that fits beside the plan's."""
 
 from __future__ import annotations
 
@@ -113,19 +114,17 @@ def flops_per_token(flops: ModelFlops, positions: float) -> float:
     return 4 * flops.non_embedding + 2 * flops.trained + 12 * flops.attention * positions
 
 
-def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops: ModelFlops, device: str):
-    """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (after the warm-up), the
-    warm-up's own time, or the whole loop's figures when too few steps ran for a steady window. `flops`:
-    model_flops'."""
-    world = len(ranks)
-    warmup = warmup_steps(cfg)
-    window = timer.window(warmup)
+def throughput(cfg, window, warmup_s, runtime_s: float, ranks: list[dict], flops: ModelFlops, peak) -> tuple:
+    """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (`window`: StepTimer.window's,
+    after the warm-up, which took `warmup_s`), or the whole loop's figures when too few steps ran for a steady
+    window (None). `flops`: model_flops'; `peak`: the device's peak FLOP/s and its source (timing.peak_flops)."""
+    world, warmup = len(ranks), warmup_steps(cfg)
     metrics = {"train_runtime_s": runtime_s}
     if window is not None:
         first, last, seconds = window
         steps, tokens = last - first + 1, sum(r["window_tokens"] for r in ranks)
         padded = sum(r.get("window_padded_tokens", 0) for r in ranks)
-        metrics["train_warmup_s"] = timer.starts_s[warmup] - timer.starts_s[0]
+        metrics["train_warmup_s"] = warmup_s
         basis = f"steps {first}-{last} (after {warmup} warm-up steps)"
     else:
         steps, tokens, seconds = cfg.train.max_steps, sum(r["tokens"] for r in ranks), runtime_s
@@ -135,11 +134,11 @@ def throughput(cfg, timer: StepTimer, runtime_s: float, ranks: list[dict], flops
     metrics["train_tokens_per_second"] = tokens / seconds
     # T: the positions attention runs over, the batches' padded length
     metrics["train_flops_per_token"] = flops_per_token(flops, padded / (steps * cfg.batch_size * world))
-    peak, peak_source = peak_flops(device, cfg.train.precision, cache.root(cfg.outputs_dir))
-    if peak:
-        peak *= world
-        mfu = metrics["train_flops_per_token"] * tokens / seconds / peak
-        metrics.update(mfu=mfu, device_peak_tflops=peak / 1e12)
+    peak_flops_s, peak_source = peak
+    if peak_flops_s:
+        peak_flops_s *= world
+        mfu = metrics["train_flops_per_token"] * tokens / seconds / peak_flops_s
+        metrics.update(mfu=mfu, device_peak_tflops=peak_flops_s / 1e12)
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
@@ -212,7 +211,9 @@ PEFT_SOURCES = ("adapters.py",)
 PEFT_LIBRARIES = ("peft", "bitsandbytes")
 
 
-def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1) -> dict:
+def simulated_step(
+    cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1, budget=None
+) -> dict:
     """The plan's peak, activations and method for this step (pipeline.plan.simulate), and each rank's peak
     (`rank_peaks`, pipeline.plan_ranks: one entry, or one per rank under ZeRO-1) for `world` ranks, simulated
     once per sweep point and batch shape and kept under <outputs_dir>/cache/plan (pipeline.cache); its two
@@ -230,6 +231,7 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
     # the grid of the GPU this job runs on sizes its reductions' buffers: steps of two GPUs are kept apart
     grid = cuda_reductions.device_grid() if cuda else None
     inputs = [point, spec.name, model_config.to_dict(), list(batch), cuda, grid, list(names), world]
+    inputs += [] if budget is None else [budget]
     inputs.append(optimizers.source_stamp(cfg))  # a class of one's own (optim.target): its file as it is now
     store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=sources)
 
@@ -249,6 +251,12 @@ def simulated_step(cfg, spec, model_config, batch: tuple, cuda: bool, names, wor
             "activations": found["parts"]["activations"],
             "logits": found["parts"].get("logits"),  # a language model's only
             "method": found["method"],
+            # the largest batch whose peak fits `budget` MB (the paged state counted against it, as the probes do)
+            **(
+                {}
+                if budget is None
+                else {"largest_batch": plan.largest_batch(found, budget - found["paged"], cuda)}
+            ),
         }
 
     return store.get(["step", *inputs], figures)
@@ -269,7 +277,6 @@ def search_result(cfg, choice, model, splits, trained) -> dict:
     """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by the
     probes, pipeline.batch_size), beside the largest one the plan predicts for the same worst case (every text
     train.max_length tokens); `choice`: the registry's answer for the job (`pipeline.optimizers.choose`)."""
-    from pipeline import plan
 
     spec, budget, best, fitting = choice.spec, cfg.memory_budget_mb, trained.largest, trained.probes
     metrics = {
@@ -278,14 +285,9 @@ def search_result(cfg, choice, model, splits, trained) -> dict:
     }
     if budget is not None:
         cuda = torch.cuda.is_available()
-        grid = cuda_reductions.device_grid() if cuda else None  # the GPU this job runs on
-        names = tuple(trained.input_names)
-        simulated = plan.simulate(
-            model.config, spec, cfg, 1, cfg.train.max_length, cuda=cuda, names=names, grid=grid
-        )
-        # the probes count a paged optimizer's paged state against the budget (pipeline.memory)
-        limit = plan.largest_batch(simulated, budget - simulated["paged"], cuda)
-        metrics["predicted_max_batch_size"] = min(limit, len(splits.train))
+        shape = (1, cfg.train.max_length)
+        figures = simulated_step(cfg, spec, model.config, shape, cuda, trained.input_names, budget=budget)
+        metrics["predicted_max_batch_size"] = min(figures["largest_batch"], len(splits.train))
     if best:
         at_best = fitting[best]
         state = at_best.pop("state")
@@ -315,23 +317,26 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
     the registry's answer for the job (`pipeline.optimizers.choose`)."""
     spec = choice.spec
+    warmup = warmup_steps(cfg)
+    tags = job_tags(spec, out.device)
+    try:
+        estimate, estimate_na = state_estimate(cfg, choice, model, out.optimizer), None
+    except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
+        estimate, estimate_na = None, f"n/a: {err}"
     # the whole model's size, as the backend counted it before training (FSDP leaves the model sharded)
     num_params, flops = (out.num_params, out.flops) if out.num_params is not None else model_size(model)
     # what this rank measured, read once from what holds it: the optimizer's state and the peaks (memory), the
     # steps' times (timing), the batches' tokens and the splits (data), the optimizer's settings and estimate
     state, paged = optimizer_state_size(out.optimizer), paged_state_size(out.optimizer)
     memory, breakdown = out.peak.metrics(), out.peak.breakdown_tag
-    warmup = warmup_steps(cfg)
     window, step_ms, train_step_ms = timer.window(warmup), timer.median_ms, timer.train_step_ms(skip=warmup)
     steps_skipped = timer.steps - len(timer.times_s)
+    warmup_s = timer.starts_s[warmup] - timer.starts_s[0] if window else None
+    peak = peak_flops(out.device, cfg.train.precision, cache.root(cfg.outputs_dir))
     tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
     num_labels, labels_param = splits.num_labels, splits.labels_param
     steady = collate.batches[window[0] - 1 : window[1]] if window else []
     window_tokens, window_padded = sum(r for r, _ in steady), sum(p for _, p in steady)
-    try:
-        estimate, estimate_na = state_estimate(cfg, choice, model, out.optimizer), None
-    except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
-        estimate, estimate_na = None, f"n/a: {err}"
     settings = optimizers.built_settings(out.optimizer)
     # every rank's, on every rank
     ranks = distributed.gather(
@@ -352,7 +357,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
     )
     # (the loop's time less the validation passes inside it: eval.every_steps)
     runtime = out.train_runtime_s - timer.paused_s
-    speed, speed_tags = throughput(cfg, timer, runtime, ranks.records, flops, out.device)
+    speed, speed_tags = throughput(cfg, window, warmup_s, runtime, ranks.records, flops, peak)
     on_cuda = out.device.startswith("cuda")
     if estimate is not None:
         measured = [r["peak_memory_mb"] for r in ranks.records]
@@ -386,7 +391,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         **{f"val_{k}": v for k, v in out.val_metrics.items()},
         **ranks.metrics,
     }
-    tags = {**job_tags(spec, out.device), **speed_tags, "peak_breakdown": breakdown}
+    tags |= {**speed_tags, "peak_breakdown": breakdown}
     shares = [m["top_class_share"] for m in (out.eval_metrics, out.val_metrics) if "top_class_share" in m]
     if shares:  # (nearly) every prediction in one class: binary F1 flatters such a model
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()

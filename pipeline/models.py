@@ -1,5 +1,5 @@
-"""Model catalog: pretrained weights (packaged, hub cache or a local folder) or an architecture built with random
-weights; a user's own model from its config.json (model.config)."""
+"""The model stage (`build`) and the model catalog: pretrained weights (packaged, hub cache or a local folder) or an
+architecture built with random weights; a user's own model from its config.json (model.config); their tokenizers."""
 
 from __future__ import annotations
 

@@ -471,13 +471,13 @@ def simulate(
     params = optimizers.param_infos(model)
     whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
     state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
-    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft)
-    fb = reported(steps.parts(batch), vocab)
     # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
     settings = json.dumps(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
         + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
     )
+    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft)
+    fb = reported(steps.parts(batch), vocab)
     grid = tuple(grid or UPPER_GRID) if cuda else None  # the reductions' buffers: a GPU's step only
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda, grid)
     if key not in _OPTIMIZER_STEP:

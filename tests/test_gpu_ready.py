@@ -11,7 +11,7 @@ import torch
 from pipeline import MB, models
 from pipeline.memory import StepBreakdown, TrainingMemory, indexed
 from pipeline.state import optimizer_state_size, paged_state_size
-from pipeline.timing import StepTimer
+from pipeline.timing import StepTimer, peak_flops
 from tests.conftest import TINY, cli_env, compose_cfg, run_cli, selects_gpu_tests, sweep_runs
 
 
@@ -152,8 +152,9 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     timer.starts_s = [0.0, 5.0, 6.0, 7.0, 7.5, 8.0, 8.5, 9.0]  # a slow first steps (compilation, tracker)
     ranks = [{"tokens": 800, "window_tokens": 400, "padded_tokens": 1000, "window_padded_tokens": 480}]
     flops = measurements.ModelFlops(10, 3, 10)  # N = 10 non-embedding parameters, all trained; L H Q = 3
-    metrics, tags = measurements.throughput(cfg, timer, runtime_s=9.5, ranks=ranks, flops=flops, device="cpu")
     assert measurements.warmup_steps(cfg) == 3
+    peak = peak_flops("cpu", cfg.train.precision, tmp_path)
+    metrics, tags = measurements.throughput(cfg, timer.window(3), 7.0, 9.5, ranks, flops, peak)
     # steps 4-7: from the start of step 4 (7.0 s) to the start of step 8 (9.0 s)
     assert tags["throughput_steps"] == "steps 4-7 (after 3 warm-up steps)"
     assert metrics["train_samples_per_second"] == pytest.approx(4 * 4 / 2.0)
@@ -164,7 +165,8 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     flops_per_s = (6 * 10 + 12 * 3 * 30) * 400 / 2.0
     assert metrics["mfu"] == pytest.approx(flops_per_s / (metrics["device_peak_tflops"] * 1e12))
     timer.starts_s = timer.starts_s[:4]  # too few steps for a window: the whole loop
-    metrics, tags = measurements.throughput(cfg, timer, runtime_s=9.5, ranks=ranks, flops=flops, device="cpu")
+    assert timer.window(3) is None
+    metrics, tags = measurements.throughput(cfg, None, None, 9.5, ranks, flops, peak)
     assert tags["throughput_steps"].startswith("steps 1-8 (the whole loop")
     assert metrics["train_samples_per_second"] == pytest.approx(8 * 4 / 9.5)
     assert "train_warmup_s" not in metrics

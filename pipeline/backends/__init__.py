@@ -1,6 +1,8 @@
-"""Training backends: same inputs (config, model, tokenized splits, optimizer spec), same `TrainOutput`.
+"""The train stage (`run`) and its backends: same inputs (config, model, tokenized splits, optimizer spec), same
+`TrainOutput`.
 
-Backends train and evaluate; they never talk to MLflow. `pipeline.job` turns their output into measurements.
+Backends train and evaluate; they never talk to MLflow. `pipeline.measurements` turns what the stage hands on
+(`Trained`) into the job's record.
 """
 
 from __future__ import annotations
