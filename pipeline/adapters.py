@@ -63,39 +63,6 @@ def used(peft: dict) -> dict:
     return {k: v for k, v in peft.items() if k == "name" or k in KEYS.get(peft.get("name"), ())}
 
 
-# the keys a method reads that change nothing in a training step's memory: alpha scales the adapters' output by
-# a number, whatever its value; the adapter is saved after training
-NO_MEMORY = ("alpha", "save_adapter")
-
-
-def memory_settings(cfg) -> dict | None:
-    """The adapters' settings that change a training step's memory (what a plan's cache key holds of them):
-    `name` and the keys its method reads (`used`) less NO_MEMORY; dropout among them (a nonzero one keeps a
-    mask for backward). None for full fine-tuning."""
-    if name(cfg) == "none":
-        return None
-    from omegaconf import OmegaConf
-
-    peft = used(OmegaConf.to_container(cfg.peft, resolve=True))
-    settings = {k: v for k, v in peft.items() if k not in NO_MEMORY}
-    settings["base_dtype"], settings["adapter_dtype"] = dtypes(cfg)  # `auto` as the precision resolves it
-    return settings
-
-
-def dtypes(cfg) -> tuple[str, str]:
-    """(the frozen base's dtype, the trained weights' dtype) of a run with adapters, by name (fp32, bf16, fp16):
-    peft.base_dtype and peft.adapter_dtype, `auto` resolved. The recipe peft and the LoRA guides use: the base in
-    the precision's compute dtype (bf16 under bf16), the adapters (and a classifier's head) in fp32, so their
-    gradients and optimizer state are fp32 too; under bf16_pure both bf16."""
-    precision = str(cfg.train.precision)
-    base, trained = str(cfg.peft.get("base_dtype", "auto")), str(cfg.peft.get("adapter_dtype", "auto"))
-    if base == "auto":
-        base = COMPUTE[precision]
-    if trained == "auto":
-        trained = "bf16" if precision == "bf16_pure" else "fp32"
-    return base, trained
-
-
 def torch_dtype(name: str):
     import torch
 
@@ -147,7 +114,7 @@ def apply(
     quantized on `device` (where the job trains: bitsandbytes quantizes as a weight moves to its device).
     `quantized=False`: qlora's adapters on a base left as it is (the same trainable parameters, e.g. on the meta
     device, where nothing can be quantized). `trained_dtype` (a torch dtype): every trainable parameter's, the
-    adapters' and a classifier's head's (dtypes); None: the base's."""
+    adapters' and a classifier's head's (pipeline.models.dtypes); None: the base's."""
     if peft_cfg.name == "none":
         return model
     from peft import LoraConfig, get_peft_model

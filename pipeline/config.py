@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from pipeline import adapters
+from pipeline import adapters, models
 from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
@@ -318,7 +318,7 @@ def _check_weight_dtypes(cfg: DictConfig) -> None:
     trained weights fp32 under fp16, whose gradient scaler unscales fp32 gradients."""
     precision = cfg.train.precision
     compute = adapters.COMPUTE[precision]
-    base, trained = adapters.dtypes(cfg)
+    base, trained = models.dtypes(cfg)
     if precision in ("fp32", "bf16_pure"):
         why, base_ok = f"without autocast every weight computes in {compute}", (compute,)
     else:

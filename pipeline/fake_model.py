@@ -28,7 +28,7 @@ def _fake_model(
     peft: str | None = None,
 ):
     """The model a job of `task` would train, built on fake tensors (cached: a sweep plans one model many
-    times); with `peft` (adapters.memory_settings as JSON), wrapped in its adapters as a job wraps it."""
+    times); with `peft` (memory_settings as JSON), wrapped in its adapters as a job wraps it."""
     from transformers import AutoConfig
 
     from pipeline import adapters
@@ -62,7 +62,7 @@ def _with_adapters(model, settings: dict, task: str):
     """A fake model as adapters.apply makes a job's (models.build): QLoRA's base Linear layers quantized to 4 bits
     by bitsandbytes' own quantization (on its fake kernels: adapters.quantize), LoRA's adapters by peft, which
     also sets what trains (the adapters, a classifier's head as a trainable copy beside the frozen one) and
-    what is frozen. `alpha` is not among the settings (adapters.memory_settings): it scales the adapters'
+    what is frozen. `alpha` is not among the settings (memory_settings): it scales the adapters'
     output by a number, whatever its value. A 4-bit layer's bias is in its compute dtype already: bitsandbytes
     converts it in place at the layer's first forward, so a job's model is in that state from its second
     forward on, and every simulated pass of this model (the cache keeps it between passes) alike."""
@@ -133,12 +133,32 @@ def _assigned_conversions():
         torch.nn.Module._apply = original
 
 
-def peft_settings(cfg) -> str | None:
-    """The adapters' settings that change a step's memory (adapters.memory_settings) as a key: None for full
-    fine-tuning, whose keys stay as they were before the adapters existed."""
-    from pipeline import adapters
+# the keys a method reads that change nothing in a training step's memory: alpha scales the adapters' output by
+# a number, whatever its value; the adapter is saved after training
+NO_MEMORY = ("alpha", "save_adapter")
 
-    settings = adapters.memory_settings(cfg)
+
+def memory_settings(cfg) -> dict | None:
+    """The adapters' settings that change a training step's memory (what a plan's cache key holds of them):
+    `name` and the keys its method reads (`used`) less NO_MEMORY; dropout among them (a nonzero one keeps a
+    mask for backward). None for full fine-tuning."""
+    from pipeline import adapters, models
+
+    if OmegaConf.select(cfg, "peft.name", default="none") == "none":  # (a config from before the peft group)
+        return None
+    base, trained = models.dtypes(cfg)  # `auto` as the precision resolves it
+    peft = adapters.used(OmegaConf.to_container(cfg.peft, resolve=True))
+    return {
+        **{k: v for k, v in peft.items() if k not in NO_MEMORY},
+        "base_dtype": base,
+        "adapter_dtype": trained,
+    }
+
+
+def peft_settings(cfg) -> str | None:
+    """The adapters' settings that change a step's memory (memory_settings) as a key: None for full
+    fine-tuning, whose keys stay as they were before the adapters existed."""
+    settings = memory_settings(cfg)
     return None if settings is None else json.dumps(settings, sort_keys=True)
 
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from omegaconf import OmegaConf, open_dict
 
-from pipeline import adapters
+from pipeline import adapters, models
 
 
 class Lever(NamedTuple):
@@ -76,7 +76,7 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["checkpointing"] = {"train.gradient_checkpointing": True}
     if precision == "fp32":
         found["bf16"] = {"train.precision": "bf16"}
-    if method != "none" and precision in ("bf16", "fp16") and adapters.dtypes(cfg)[0] == "fp32":
+    if method != "none" and precision in ("bf16", "fp16") and models.dtypes(cfg)[0] == "fp32":
         found["base16"] = {"peft.base_dtype": "auto"}
     if method == "lora":
         found["qlora"] = {"peft.name": "qlora"}

@@ -222,10 +222,9 @@ def simulated_step(
     point = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_IN_PLAN}
     point["train"] = {k: v for k, v in point["train"].items() if k not in NOT_IN_PLAN_TRAIN}
     versions, sources = library_versions(), PLAN_SOURCES
-    if adapters.name(cfg) == "none":  # full fine-tuning's steps as kept before the peft group existed
-        point.pop("peft", None)
+    if point["peft"]["name"] == "none":  # full fine-tuning's steps as kept before the peft group existed
+        point.pop("peft")
     else:
-        point["peft"] = adapters.memory_settings(cfg)
         versions |= {name: importlib.metadata.version(name) for name in PEFT_LIBRARIES}
         sources += PEFT_SOURCES
     # the grid of the GPU this job runs on sizes its reductions' buffers: steps of two GPUs are kept apart

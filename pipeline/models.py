@@ -12,6 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import adapters
+
 log = logging.getLogger(__name__)
 
 # Tokenizer for random-weight models whose own tokenizer is not cached: the one packaged with MiniLM.
@@ -74,6 +76,20 @@ def load_tokenizer(model_cfg: DictConfig, local_only: bool = False):
     return tokenizer
 
 
+def dtypes(cfg: DictConfig) -> tuple[str, str]:
+    """(the frozen base's dtype, the trained weights' dtype) of a run with adapters, by name (fp32, bf16, fp16):
+    peft.base_dtype and peft.adapter_dtype, `auto` resolved. The recipe peft and the LoRA guides use: the base in
+    the precision's compute dtype (bf16 under bf16), the adapters (and a classifier's head) in fp32, so their
+    gradients and optimizer state are fp32 too; under bf16_pure both bf16."""
+    precision = str(cfg.train.precision)
+    base, trained = str(cfg.peft.get("base_dtype", "auto")), str(cfg.peft.get("adapter_dtype", "auto"))
+    if base == "auto":
+        base = adapters.COMPUTE[precision]
+    if trained == "auto":
+        trained = "bf16" if precision == "bf16_pure" else "fp32"
+    return base, trained
+
+
 def tokenizer_and_vocabulary(model_cfg: DictConfig, task: str = "classification") -> tuple[object, int]:
     """(the model's tokenizer, the number of token ids its embeddings hold, read from its config: no weights
     loaded)."""
@@ -90,14 +106,12 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
 
     import torch
 
-    from pipeline import adapters
-
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     with_adapters = cfg.peft.name != "none"
     dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
     trained = None
     if with_adapters:
-        dtype, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
+        dtype, trained = (getattr(torch, adapters.DTYPES[name]) for name in dtypes(cfg))
     model = load_model(cfg.model, len(label_names), label_names, cfg.task.name, device, dtype)
     model.config.pad_token_id = pad_token_id
     if dtype is not None:  # pretrained weights come in their checkpoint's dtype

@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from pipeline import MB, adapters
-from pipeline.plan import MAX_BATCH, PART_KEYS, _stack, fake_mode, reported
+from pipeline.plan import MAX_BATCH, PART_KEYS, _stack, fake_mode
 
 SOURCES = {
     "none": "DDP: torch DistributedDataParallel (accelerate)",
@@ -223,7 +223,8 @@ def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch:
     extra_mb += layout.nccl_mb if world > 1 else 0.0
     states, owned = rank_states(layout, sharding, world)
     fb = _fb_rows(prediction["profile"].values(batch), layout, sharding, world)
-    at = reported(dict(zip(PARTS, fb[fb.sum(axis=1).argmax()].tolist(), strict=True)), prediction["vocab"])
+    at = dict(zip(PARTS, fb[fb.sum(axis=1).argmax()].tolist(), strict=True))
+    at = {k: v for k, v in at.items() if k in prediction["parts"]}  # (a classifier's: no logits)
     out, alike = (
         [],
         {},

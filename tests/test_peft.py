@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import MB, adapters, models, optimizers
+from pipeline import MB, adapters, fake_model, models, optimizers
 from pipeline.config import ConfigError, validate
 from pipeline.keys import check_keys
 from pipeline.runner import config_hash
@@ -327,8 +327,8 @@ def test_a_qlora_jobs_largest_batch_search_records_the_plans_answer_beside_it(tm
 )
 def test_the_base_and_trained_dtypes_each_precision_resolves(precision, overrides, base, trained):
     cfg = compose_cfg("peft=lora", f"train.precision={precision}", *overrides)
-    assert adapters.dtypes(cfg) == (base, trained)
-    settings = adapters.memory_settings(cfg)  # a plan's key holds them resolved
+    assert models.dtypes(cfg) == (base, trained)
+    settings = fake_model.memory_settings(cfg)  # a plan's key holds them resolved
     assert (settings["base_dtype"], settings["adapter_dtype"]) == (base, trained)
 
 

@@ -25,7 +25,7 @@ def job_model(cfg):
     """The model a job trains under cfg (job.load: random weights, two labels, the base in peft.base_dtype and
     the trained weights in peft.adapter_dtype)."""
     torch.manual_seed(0)
-    base, trained = (adapters.torch_dtype(name) for name in adapters.dtypes(cfg))
+    base, trained = (adapters.torch_dtype(name) for name in models.dtypes(cfg))
     model = models.load_model(cfg.model, 2, None, cfg.task.name).to(base)
     model.config.pad_token_id = 0
     return adapters.apply(model, cfg.peft, cfg.task.name, model.config.model_type, trained_dtype=trained)
