@@ -101,7 +101,7 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
     of this rank, else the CPU: random weights are made there, qlora's 4-bit base is quantized there), in its
     dtypes, with its adapters (pipeline.adapters) where peft is set. bf16_pure: bf16 weights, no fp32 master copy
     (the optimizer's state follows their dtype); with adapters the frozen base in peft.base_dtype and the
-    trained weights in peft.adapter_dtype (pipeline.adapters.dtypes)."""
+    trained weights in peft.adapter_dtype (`dtypes`)."""
     import os
 
     import torch

@@ -227,8 +227,9 @@ class Trained:
 
 
 def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
-    """The train stage: the backend (`backend.name`) trains the model `train.max_steps` steps with the optimizer `spec`, its steps timed; with
-    find_batch_size=true it searches the largest batch that fits instead (pipeline.batch_size)."""
+    """The train stage: the backend (`backend.name`) trains the model `train.max_steps` steps with the optimizer
+    `spec`, its steps timed; with find_batch_size=true it searches the largest batch that fits instead
+    (pipeline.batch_size)."""
     import torch
 
     from pipeline import batch_size
