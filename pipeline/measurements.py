@@ -276,7 +276,6 @@ def search_result(cfg, choice, model, splits, trained) -> dict:
     """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by the
     probes, pipeline.batch_size), beside the largest one the plan predicts for the same worst case (every text
     train.max_length tokens); `choice`: the registry's answer for the job (`pipeline.optimizers.choose`)."""
-
     spec, budget, best, fitting = choice.spec, cfg.memory_budget_mb, trained.largest, trained.probes
     metrics = {
         "max_batch_size": best,
