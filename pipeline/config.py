@@ -282,9 +282,7 @@ def _check_peft(cfg: DictConfig) -> None:
         f"must be null (the family's attention projections), {adapters.ALL_LINEAR} or a list of module names",
     )
     if cfg.peft.target_modules is None:
-        from pipeline.models import model_type
-
-        family = model_type(cfg.model)
+        family = models.model_type(cfg.model)
         if family not in adapters.TARGETS:
             raise ConfigError(
                 f"peft.target_modules=null is invalid with model={cfg.model.name}: no default target modules "
@@ -388,11 +386,9 @@ def _check_task_model(cfg: DictConfig) -> None:
     """task=causal_lm needs a decoder: an encoder (BERT, MiniLM) has a bidirectional attention and no
     next-token head to fine-tune, nor has a model of one's own (model.config) whose type transformers builds
     no causal LM of (T5); train.packing is a language model's way of batching."""
-    from pipeline.models import ENCODER_TYPES, decoders, model_type
-
     if cfg.task.name == "causal_lm":
-        kind = model_type(cfg.model)
-        what = f"an encoder ({kind})" if kind in ENCODER_TYPES else None
+        kind = models.model_type(cfg.model)
+        what = f"an encoder ({kind})" if kind in models.ENCODER_TYPES else None
         if what is None and cfg.model.get("config") is not None:
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -401,7 +397,7 @@ def _check_task_model(cfg: DictConfig) -> None:
         if what is not None:
             raise ConfigError(
                 f"task=causal_lm is invalid with model={cfg.model.name}: it is {what}, not a "
-                f"decoder that predicts the next token; the decoders: {', '.join(decoders())}",
+                f"decoder that predicts the next token; the decoders: {', '.join(models.decoders())}",
                 ("task.name", "model.name"),
             )
     elif cfg.train.packing:
@@ -567,8 +563,6 @@ def own_model(cfg: DictConfig) -> DictConfig:
     path, file, or a model_type transformers does not know."""
     if OmegaConf.select(cfg, "model.config") is None:
         return cfg
-    from pipeline import models
-
     try:
         entry = models.own_model(cfg.model)
     except ValueError as err:

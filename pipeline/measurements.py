@@ -284,7 +284,9 @@ def search_result(cfg, choice, model, splits, trained) -> dict:
     if budget is not None:
         cuda = torch.cuda.is_available()
         shape = (1, cfg.train.max_length)
-        figures = simulated_step(cfg, spec, model.config, shape, cuda, trained.input_names, budget=budget)
+        figures = simulated_step(
+            cfg, spec, model.config, shape, cuda, trained.collate.input_names, budget=budget
+        )
         metrics["predicted_max_batch_size"] = min(figures["largest_batch"], len(splits.train))
     if best:
         at_best = fitting[best]

@@ -214,16 +214,15 @@ def optimizer_step_mode(spec, device):
 
 @dataclass
 class Trained:
-    """What the train stage hands the measure stage: a training run's output, the timer of its steps and the
-    collator that counted its batches' tokens; or a batch search's largest batch that fits and each fitting
-    probe's figures by batch size (pipeline.batch_size)."""
+    """What the train stage hands the measure stage: the collator (its `input_names`: a batch's tensors; a
+    training run's: its batches' tokens), and a training run's output and the timer of its steps, or a batch
+    search's largest batch that fits and each fitting probe's figures by batch size (pipeline.batch_size)."""
 
     output: TrainOutput | None = None
     timer: object = None  # pipeline.timing.StepTimer
     collate: object = None  # pipeline.data.PaddingCollator
     largest: int | None = None
     probes: dict[int, dict] | None = None
-    input_names: tuple[str, ...] = ()  # the tensors of a batch, besides the labels (the tokenizer's)
 
 
 def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
@@ -248,10 +247,10 @@ def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
             return PaddingCollator(tokenizer, probe.train.padding, probe.train.max_length)
 
         largest, probes = batch_size.search(cfg, model, splits, spec, collate_for, job_dir, train)
-        return Trained(largest=largest, probes=probes, input_names=collate.input_names)
+        return Trained(collate=collate, largest=largest, probes=probes)
     with StepTimer(model) as timer:
         output = train(cfg, model, splits, spec, collate, job_dir)
-    return Trained(output, timer, collate, input_names=collate.input_names)
+    return Trained(output, timer, collate)
 
 
 def get(name: str):
