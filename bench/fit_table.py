@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import importlib.metadata
 import itertools
 import platform
@@ -22,6 +21,8 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -92,7 +93,6 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
     from pipeline import adapters, cuda_reductions, optimizers, plan, plan_ranks
     from pipeline import models as catalog
 
-    extra = plan.CUBLAS_WORKSPACES_MB
     ways = [("none", o) for o in optims] + [(p, o) for p in pefts for o in PEFT_OPTIMS]
     for model, precision, ckpt in itertools.product(models, precisions, checkpointing):
         for peft, optim in ways:
@@ -110,10 +110,18 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
             names = tuple(catalog.load_tokenizer(cfg.model, local_only=True).model_input_names)
             layout = None
             key = [model, task, adapters.method(cfg), optim, precision, ckpt]
-            one = functools.partial(plan.simulate, config, spec, cfg, 1, cuda=True, names=names, store=store)
+
+            on = {
+                g: OmegaConf.merge(cfg, {"device_memory": g}) for g in gpus
+            }  # its grid, its cuBLAS workspaces
             for seq in seqs:
                 try:  # each GPU's plan: the pass once, the optimizer step once per grid (its reductions' buffers)
-                    planned = {g: one(seq, grid=cuda_reductions.NAMED_GRIDS[g]) for g in gpus}
+                    planned = {
+                        g: plan.simulate(
+                            config, spec, on[g], 1, seq, True, names, store, cuda_reductions.NAMED_GRIDS[g]
+                        )
+                        for g in gpus
+                    }
                 except RuntimeError as err:  # the plan cannot simulate this model: its rows say so
                     failed[f"{model} ({task})"] = str(err)
                     yield [*key, str(seq), *["n/a"] * len(gpus)]
@@ -122,7 +130,10 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
                     nccl = plan_ranks.NCCL_BUFFERS_MB
                     model_built = planned[gpus[0]]["model"]
                     layout = plan_ranks.Layout(model_built, spec, cfg, cuda=True, nccl_mb=nccl)
-                cells = [cell(planned[g], layout, optim, plan.usable_mb(g), extra, peft) for g in gpus]
+                cells = [
+                    cell(planned[g], layout, optim, plan.usable_mb(g), planned[g]["workspaces"], peft)
+                    for g in gpus
+                ]
                 yield [*key, str(seq), *cells]
 
 

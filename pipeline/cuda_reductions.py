@@ -57,18 +57,34 @@ def device_grid() -> tuple[int, int]:
     """The grid of this process's current CUDA device, as ATen's setReduceConfig reads it. Where this process
     has not initialised CUDA (a sweep's runner plans in its own process and leaves CUDA to the jobs' processes:
     pipeline.starter), a child process reads the first visible device's, once, and this one stays without."""
+    return _device()[:2]
+
+
+def device_capability() -> tuple[int, int] | None:
+    """The compute capability (major, minor) of this process's current CUDA device, read as `device_grid`
+    reads its grid; None where it cannot be read."""
+    return _device()[2:] or None
+
+
+def _device() -> tuple[int, ...]:
     if torch.cuda.is_initialized():
         device = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return device.multi_processor_count, device.max_threads_per_multi_processor
-    return _child_grid()
+        return (
+            device.multi_processor_count,
+            device.max_threads_per_multi_processor,
+            device.major,
+            device.minor,
+        )
+    return _child_device()
 
 
 @functools.cache
-def _child_grid() -> tuple[int, int]:
-    """The first visible CUDA device's grid, read by a child process; UPPER_GRID where it cannot read it."""
+def _child_device() -> tuple[int, ...]:
+    """The first visible CUDA device's grid and compute capability, read by a child process; UPPER_GRID alone
+    where it cannot read them."""
     code = (
         "import torch; d = torch.cuda.get_device_properties(0); "
-        "print(d.multi_processor_count, d.max_threads_per_multi_processor)"
+        "print(d.multi_processor_count, d.max_threads_per_multi_processor, d.major, d.minor)"
     )
     try:
         found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -76,8 +92,7 @@ def _child_grid() -> tuple[int, int]:
         return UPPER_GRID
     if found.returncode != 0:
         return UPPER_GRID
-    sms, threads = found.stdout.split()[-2:]
-    return int(sms), int(threads)
+    return tuple(int(n) for n in found.stdout.split()[-4:])
 
 
 def reduction_buffers(

@@ -239,7 +239,7 @@ def simulated_step(
 
         found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store, grid=grid)
         layout = plan_ranks.Layout(found["model"], spec, cfg, cuda=cuda)
-        extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
+        extra = found["workspaces"]
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
         # step 1's peak: its pass with no state yet, or its optimizer step, which makes the state
         before_state = {**found["profile"].parts(batch[0]), "optimizer": 0.0}
@@ -254,7 +254,7 @@ def simulated_step(
             **(
                 {}
                 if budget is None
-                else {"largest_batch": plan.largest_batch(found, budget - found["paged"], cuda)}
+                else {"largest_batch": plan.largest_batch(found, budget - found["paged"])}
             ),
         }
 

@@ -37,16 +37,19 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import MB, learning_rate
+from pipeline import MB, cuda_reductions, learning_rate
 from pipeline.cuda_kernels import cuda_kernels
 from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
 # the fake model the step runs on (and the names callers reach it by here)
 from pipeline.fake_model import _fake_model, fake_mode, fake_model, peft_settings  # noqa: F401
 
-# CUDA targets: what the allocator holds that no tensor does, stated (not measured here): one cuBLAS workspace
-# per handle (forward, autograd's backward thread), 32 MiB + 1 MiB (cuBLASLt) on Hopper, as torch sizes them
+# CUDA targets: what the allocator holds that no tensor does: one cuBLAS workspace per handle (forward, autograd's
+# backward thread; measured on an H200: 2 x 33 MiB), as torch's CublasHandlePool.cpp sizes them: 32 MiB on sm_90,
+# else 8 MiB + 128 KiB (its ":4096:2:16:8"), each with a cuBLASLt workspace of 1 MiB
 CUBLAS_WORKSPACES_MB = 2 * 33
+CUBLAS_WORKSPACES_OTHER_MB = 2 * (8 + 1 / 8 + 1)
+SM90 = ("h100-80gb", "h200")  # the named GPUs of compute capability 9.0 (the B200 is 10.0)
 CUDA_CONTEXT_MB = 512  # CUDA context + kernels: outside the allocator, stated (typically 300-600 MiB)
 # Named GPUs: memory as the data sheet states it, in the vendor's units ("80GB": 80 * 10^9 bytes);
 # usable = that in MB (2^20 bytes) - CUDA_CONTEXT_MB
@@ -68,6 +71,15 @@ DEVICE_MEMORY_GB = {
 # (a classifier's is always 0 and never reported)
 PART_KEYS = ("params", "grads", "optimizer", "activations", "logits", "other")
 MAX_BATCH = 2**20  # the largest batch a plan reports
+
+
+def cublas_workspaces_mb(device_memory: str | None) -> float:
+    """The cuBLAS workspaces (MB) a training step's allocator holds on the GPU planned for: the named GPU's
+    (`device_memory`), else this machine's (pipeline.cuda_reductions.device_capability), else Hopper's."""
+    if device_memory is not None:
+        return CUBLAS_WORKSPACES_MB if device_memory in SM90 else CUBLAS_WORKSPACES_OTHER_MB
+    found = cuda_reductions.device_capability() if torch.cuda.is_available() else None
+    return CUBLAS_WORKSPACES_OTHER_MB if found not in (None, (9, 0)) else CUBLAS_WORKSPACES_MB
 
 
 def usable_mb(device: str) -> float:
@@ -493,7 +505,7 @@ def simulate(
     # step 2's forward/backward: step 1's with the state in place
     at_fb = {**fb, "optimizer": state}
     parts = at_fb if sum(at_fb.values()) >= sum(step.values()) else step
-    extra = CUBLAS_WORKSPACES_MB if cuda else 0.0
+    extra = cublas_workspaces_mb(cfg.get("device_memory")) if cuda else 0.0
     parts = {**parts, "other": parts["other"] + extra}
     return {
         "parts": parts,
@@ -506,6 +518,7 @@ def simulate(
         "model": model,
         "profile": steps,
         "vocab": vocab,
+        "workspaces": extra,
     }
 
 
@@ -515,11 +528,11 @@ def reported(parts: dict[str, float], vocab: int | None) -> dict[str, float]:
     return parts if vocab is not None else {k: v for k, v in parts.items() if k != "logits"}
 
 
-def largest_batch(prediction: dict, budget: float, cuda: bool = False) -> int:
+def largest_batch(prediction: dict, budget: float) -> int:
     """Largest batch whose predicted peak fits `budget` MB (0 when none does): the forward/backward pass's
     Profile, with the state (and a CUDA target's workspaces) beside it, at the largest batch that keeps every
     allocation's total within the budget; the optimizer step does not depend on the batch."""
     if prediction["step_peak"] > budget:
         return 0
-    fixed = prediction["state"] + (CUBLAS_WORKSPACES_MB if cuda else 0.0)
+    fixed = prediction["state"] + prediction["workspaces"]
     return prediction["profile"].largest_batch(budget - fixed)

@@ -30,7 +30,7 @@ def headroom(peak: float, budget: float) -> dict[str, float]:
     }
 
 
-def logits_metrics(prediction: dict, batch: int, extra: float) -> dict[str, float]:
+def logits_metrics(prediction: dict, batch: int) -> dict[str, float]:
     """A language model's logits at their largest in the forward/backward pass of one process, and what memory
     holds at that moment (the pass's parts, the state, `extra`: a CUDA target's workspaces): where the peak
     falls elsewhere (the optimizer step, the end of backward) it holds none of them. A classifier's: none."""
@@ -40,15 +40,16 @@ def logits_metrics(prediction: dict, batch: int, extra: float) -> dict[str, floa
     at = rows[rows[:, plan.PART_KEYS.index("logits")].argmax()]
     return {
         "predicted_logits_largest_mb": float(at[plan.PART_KEYS.index("logits")]),
-        "predicted_logits_largest_total_mb": float(at.sum() + prediction["state"] + extra),
+        "predicted_logits_largest_total_mb": float(at.sum() + prediction["state"] + prediction["workspaces"]),
     }
 
 
-def rank_metrics(prediction: dict, layout, cfg, budget: float | None, extra: float) -> dict[str, float]:
+def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[str, float]:
     """The per-rank figures of a plan for `launcher.nproc_per_job` ranks under `train.sharding`: the largest
     rank's parts and peak (what must fit), each rank's peak (ZeRO-1's differ; up to 8 named), the largest
     batch per rank, the smallest number of ranks that fits the batch and the largest batch there."""
     sharding, world, batch = cfg.train.sharding, cfg.launcher.nproc_per_job, cfg.batch_size
+    extra = prediction["workspaces"]  # a CUDA target's cuBLAS workspaces
     ranks = plan_ranks.per_rank(prediction, layout, sharding, world, batch, extra)
     top = max(ranks, key=lambda r: r["peak"])
     metrics = {
@@ -81,7 +82,7 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
     in one line."""
     from pipeline import levers, optimizers
 
-    extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
+    extra = prediction["workspaces"]
     metrics = {}
     # checkpointing shrinks the forward/backward pass only: where the peak falls in the optimizer step, it stays
     in_pass = prediction["peak"] > prediction["step_peak"]
@@ -94,10 +95,10 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
             )
             if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
                 shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
-                found = rank_metrics(again, shards, changed, budget, extra)
+                found = rank_metrics(again, shards, changed, budget)
                 peak, batch = found["predicted_peak_mb"], found["predicted_max_batch_size"]
             else:
-                peak, batch = again["peak"], plan.largest_batch(again, budget, cuda)
+                peak, batch = again["peak"], plan.largest_batch(again, budget)
         except Exception as err:  # noqa: BLE001 (a lever the simulation cannot run: the plan goes on)
             log.warning("plan: lever %s left out: %s: %s", name, type(err).__name__, err)
             continue
@@ -159,7 +160,7 @@ def plan_result(cfg) -> dict:
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
-        **logits_metrics(prediction, cfg.batch_size, plan.CUBLAS_WORKSPACES_MB if cuda else 0.0),
+        **logits_metrics(prediction, cfg.batch_size),
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
         "bytes_rule_mb": predict.bytes_rule_mb(num_params),
     }
@@ -167,12 +168,11 @@ def plan_result(cfg) -> dict:
     if budget is not None:
         metrics["budget_mb"] = budget
         metrics["fits"] = float(prediction["peak"] <= budget)
-        metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget, cuda)
+        metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget)
     if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none" or budget is not None:
         nccl = plan_ranks.NCCL_BUFFERS_MB if cuda else 0.0  # each rank's, when there are several
         layout = plan_ranks.Layout(model, spec, cfg, cuda=cuda, nccl_mb=nccl)
-        extra = plan.CUBLAS_WORKSPACES_MB if cuda else 0.0
-        metrics |= rank_metrics(prediction, layout, cfg, budget, extra)
+        metrics |= rank_metrics(prediction, layout, cfg, budget)
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
         if not metrics["fits"]:

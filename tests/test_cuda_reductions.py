@@ -328,7 +328,9 @@ def test_a_plans_grid_is_the_named_gpus_else_this_machines_else_the_upper_bound(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda_reductions.grid_for(None) == cuda_reductions.UPPER_GRID  # a CUDA target, no GPU here
     # on a GPU: ATen's figures, read in this process where it has initialised CUDA (a training job's)
-    device = types.SimpleNamespace(multi_processor_count=58, max_threads_per_multi_processor=1536)
+    device = types.SimpleNamespace(
+        multi_processor_count=58, max_threads_per_multi_processor=1536, major=8, minor=9
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -343,15 +345,16 @@ def test_a_plans_grid_is_the_named_gpus_else_this_machines_else_the_upper_bound(
 
     def run(args, **kwargs):
         ran.append(args)
-        return types.SimpleNamespace(returncode=0, stdout="108 2048\n")
+        return types.SimpleNamespace(returncode=0, stdout="108 2048 8 0\n")
 
     monkeypatch.setattr(cuda_reductions.subprocess, "run", run)
-    cuda_reductions._child_grid.cache_clear()
+    cuda_reductions._child_device.cache_clear()
     try:
         assert cuda_reductions.grid_for(None) == cuda_reductions.grid_for(None) == (108, 2048)
+        assert cuda_reductions.device_capability() == (8, 0)
         assert len(ran) == 1 and "get_device_properties(0)" in ran[0][-1]  # once per process
     finally:
-        cuda_reductions._child_grid.cache_clear()
+        cuda_reductions._child_device.cache_clear()
 
 
 TINY_384 = ["model=tiny", "model.architecture.hidden_size=384", "optim=adafactor", "train.max_length=32"]

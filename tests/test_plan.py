@@ -149,6 +149,19 @@ def test_a_cuda_target_runs_torch_adamw_foreach():
     sizes = [p.numel() * 4 / MB for p in cpu["model"].parameters()]
     assert cpu["parts"]["other"] == pytest.approx(2 * max(sizes), rel=0.02)
     assert cuda["parts"]["other"] - plan.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
+    assert cuda["workspaces"] == plan.CUBLAS_WORKSPACES_MB  # no GPU named or here: Hopper's
+
+
+@pytest.mark.parametrize(
+    ("gpu", "mib"), [("h100-80gb", 33), ("h200", 33), ("rtx-4090", 9.125), ("b200", 9.125)]
+)
+def test_the_cublas_workspaces_are_sized_by_the_gpus_compute_capability(gpu, mib):
+    """Two handles' workspaces (the forward's, autograd's backward thread's: 2 x 33 MiB measured on an H200), each
+    torch's cuBLAS workspace and 1 MiB for cuBLASLt: 32 MiB on sm_90, else 4096 KiB x 2 + 16 KiB x 8."""
+    assert plan.cublas_workspaces_mb(gpu) == 2 * mib
+    cfg = compose_cfg("model=tiny", f"device_memory={gpu}")
+    found = plan.simulate(models.model_config(cfg.model, 2), optimizers.get("adamw"), cfg, 4, 16, cuda=True)
+    assert found["workspaces"] == 2 * mib and found["peak"] == pytest.approx(sum(found["parts"].values()))
 
 
 # What torch's CUDA reduction kernel asked the caching allocator for, beside its output, in a 3-step Adafactor job

@@ -90,7 +90,7 @@ def test_each_gpu_of_several_holds_nccls_buffers(tiny_plan):
     )
     cuda_layout = plan_ranks.Layout(cuda["model"], spec, cfg2, cuda=True, nccl_mb=nccl)
     top = max(
-        plan_ranks.per_rank(cuda, cuda_layout, "none", 2, 16, plan.CUBLAS_WORKSPACES_MB),
+        plan_ranks.per_rank(cuda, cuda_layout, "none", 2, 16, cuda["workspaces"]),
         key=lambda r: r["peak"],
     )
     assert m["predicted_peak_mb"] == pytest.approx(top["peak"], rel=1e-12)
