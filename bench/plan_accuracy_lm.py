@@ -29,7 +29,9 @@ GOAL_PCT = 5.0
 TOKENS_PER_TEXT = 20  # fewer than a Rotten Tomatoes snippet's: packing gets enough blocks for every step
 
 
-def overrides(model, batch, seq, packing, checkpointing, precision, optim, steps, work) -> list[str]:
+def overrides(
+    model, batch, seq, packing, checkpointing, precision, optim, steps, work, backend="accelerator"
+) -> list[str]:
     """The job's config: every batch `batch` x `seq` tokens (padded to max_length, or packed blocks)."""
     texts = max(64, math.ceil(batch * seq * (steps + 1) / TOKENS_PER_TEXT)) if packing else max(64, batch)
     eval_texts = math.ceil(2 * seq / TOKENS_PER_TEXT) if packing else 4  # packed: at least one block
@@ -44,7 +46,7 @@ def overrides(model, batch, seq, packing, checkpointing, precision, optim, steps
         f"train.max_length={seq}",
         f"batch_size={batch}",
         f"train.max_steps={steps}",
-        "backend=accelerator",
+        f"backend={backend}",
         f"data.max_train_samples={texts}",
         f"data.max_eval_samples={eval_texts}",
         "eval.batch_size=4",
@@ -63,20 +65,30 @@ def case(
     precision: str = "fp32",
     optim: str = "adamw",
     steps: int = 2,
+    backend: str = "accelerator",
+    extra: tuple[str, ...] = (),
 ) -> dict:
-    """One real language-model job in this process: its measured and predicted peak (MB) and the logits' parts
-    (step 2 holds the peak: every batch has the same shape, and step 2 starts with the optimizer state)."""
+    """One real language-model job in this process (`extra`: more overrides): its measured and predicted peak
+    (MB) and the logits' parts (step 2 holds the peak: every batch has the same shape, and step 2 starts with
+    the optimizer state)."""
     from hydra import compose, initialize_config_dir
 
     from bench.plan_accuracy import clear_between_cases
     from pipeline import job
 
     key = {"model": model, "batch": batch, "seq": seq, "packing": packing, "checkpointing": checkpointing}
-    key |= {"precision": precision, "optim": optim}
+    key |= {
+        "precision": precision,
+        "optim": optim,
+        "backend": backend,
+        **dict(o.split("=", 1) for o in extra),
+    }
     clear_between_cases(" ".join(map(str, key.values())))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(
-            "config", overrides(model, batch, seq, packing, checkpointing, precision, optim, steps, work)
+            "config",
+            overrides(model, batch, seq, packing, checkpointing, precision, optim, steps, work, backend)
+            + list(extra),
         )
     from accelerate.state import AcceleratorState
 

@@ -406,6 +406,12 @@ def _check_task_model(cfg: DictConfig) -> None:
             "a language model (task=causal_lm); a classifier's text is one sequence with its label",
             ("train.packing", "task.name"),
         )
+    elif cfg.train.get("loss_chunks", 0):
+        raise ConfigError(
+            f"train.loss_chunks={cfg.train.loss_chunks} is invalid with task={cfg.task.name}: it chunks a language "
+            "model's loss over its LM head (task=causal_lm); a classifier's head has no vocabulary to chunk",
+            ("train.loss_chunks", "task.name"),
+        )
 
 
 def _check_file(cfg: DictConfig, key: str) -> None:
@@ -501,13 +507,10 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     for key in ("train.lr", "train.lr_scale"):
         yield partial(_check, cfg, key, _positive_number, "must be a number > 0")
     yield partial(_check_choice, cfg, "eval.metric", QUALITY_METRICS)
-    yield partial(
-        _check,
-        cfg,
-        "eval.every_steps",
-        lambda v: isinstance(v, int) and v >= 0,
-        "must be an integer >= 0 (0 = off)",
-    )
+    for key in ("eval.every_steps", "train.loss_chunks"):
+        yield partial(
+            _check, cfg, key, lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 = off)"
+        )
     yield partial(
         _check, cfg, "eval.collapse_share", lambda v: isinstance(v, Real) and 0 < v <= 1, "must be in (0, 1]"
     )

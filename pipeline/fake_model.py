@@ -32,7 +32,7 @@ def _fake_model(
     from transformers import AutoConfig
 
     from pipeline import adapters
-    from pipeline.models import auto_class
+    from pipeline.models import auto_class, chunk_the_loss
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -47,6 +47,7 @@ def _fake_model(
         kwargs["dtype"] = adapters.torch_dtype(base)
     with mode:
         model = auto_class(task).from_config(config, **kwargs)
+        chunk_the_loss(model)  # config.loss_chunks, where a job sets it
         if peft is not None:
             model = _with_adapters(model, json.loads(peft), task)
     if checkpointing:  # as both backends turn it on (on the adapters' model, as a job does)

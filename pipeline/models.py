@@ -114,6 +114,7 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
         dtype, trained = (getattr(torch, adapters.DTYPES[name]) for name in dtypes(cfg))
     model = load_model(cfg.model, len(label_names), label_names, cfg.task.name, device, dtype)
     model.config.pad_token_id = pad_token_id
+    chunk_the_loss(model, cfg.train.get("loss_chunks", 0))
     if dtype is not None:  # pretrained weights come in their checkpoint's dtype
         model.to(dtype)
     if with_adapters:  # adapters on the frozen base
@@ -121,6 +122,62 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
             model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
         )
     return model
+
+
+# the settings of a config whose LM head's output is scaled or capped before the loss (Cohere, Gemma 2)
+LOGIT_SCALES = ("logit_scale", "final_logit_softcapping")
+
+
+def chunk_the_loss(model, chunks: int | None = None) -> None:
+    """train.loss_chunks: a language model's training loss computed from the last hidden states in `chunks`
+    pieces of the sequence, each piece's logits made, upcast to fp32, turned into its summed cross-entropy and
+    dropped in turn (torch's non-reentrant `checkpoint` per piece: backward makes each piece's logits again),
+    so that at most one piece's logits are held, never the whole batch x sequence x vocabulary; the loss is
+    transformers' causal-LM loss (the labels shifted by one, -100 left out, the sum over the Trainer's
+    `num_items_in_batch` where it passes one, else the mean). Evaluation (eval mode, or no labels) runs the
+    model's own forward, whose logits the next-token accuracy reads. `chunks` is kept as config.loss_chunks
+    (in the plan's keys); None: the config's own (a plan's fake model); 0: off."""
+    import types
+
+    chunks = getattr(model.config, "loss_chunks", 0) if chunks is None else chunks
+    scaled = [k for k in LOGIT_SCALES if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    if chunks and scaled:
+        raise ValueError(
+            f"train.loss_chunks={chunks} is invalid with a {model.config.model_type} model: its head's logits are "
+            f"changed after the head ({', '.join(scaled)}), which the chunked loss leaves out; train.loss_chunks=0"
+        )
+    if chunks:
+        model.config.loss_chunks = chunks
+        model.forward = types.MethodType(_chunked_forward, model)
+
+
+def _chunked_forward(
+    self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None, **kwargs
+):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if labels is None or not self.training:
+        return type(self).forward(
+            self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs
+        )
+    hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+    following = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # each position's next token
+    head, chunks = self.get_output_embeddings(), self.config.loss_chunks
+    pieces = zip(hidden.chunk(chunks, dim=1), following.chunk(chunks, dim=1), strict=True)
+    total = sum(checkpoint(_summed_loss, head, h, y, use_reentrant=False) for h, y in pieces)
+    count = (following != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    return CausalLMOutputWithPast(loss=total / count)
+
+
+def _summed_loss(head, hidden, following):
+    import torch
+
+    logits = head(hidden).float()
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), following.flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def label_kwargs(num_labels: int, label_names: list[str] | None) -> dict:

@@ -137,6 +137,8 @@ def plan_result(cfg) -> dict:
     config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
     if config.pad_token_id is None:  # decoders classify from the last non-padding token (and pad a batch)
         config.pad_token_id = 0
+    if cfg.train.get("loss_chunks", 0):  # as models.build marks a job's model
+        config.loss_chunks = cfg.train.loss_chunks
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
     # the reductions' buffers: sized for the named GPU's grid, else this machine's GPU's
     grid = cuda_reductions.grid_for(cfg.device_memory) if cuda else None
