@@ -90,7 +90,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
     reason)."""
     from hydra import compose, initialize_config_dir
 
-    from pipeline import adapters, cuda_reductions, optimizers, plan, plan_ranks
+    from pipeline import adapters, cuda_reductions, optimizers, plan, plan_job, plan_ranks
     from pipeline import models as catalog
 
     ways = [("none", o) for o in optims] + [(p, o) for p in pefts for o in PEFT_OPTIMS]
@@ -102,11 +102,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
             with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
                 cfg = compose("config", overrides)
             spec = optimizers.spec_for(cfg.optim)
-            config = catalog.model_config(cfg.model, num_labels=2, task=cfg.task.name)
-            if (
-                config.pad_token_id is None
-            ):  # as plan mode: a decoder classifies from the last non-padding token
-                config.pad_token_id = 0
+            config = plan_job.planned_config(cfg)
             names = tuple(catalog.load_tokenizer(cfg.model, local_only=True).model_input_names)
             layout = None
             key = [model, task, adapters.method(cfg), optim, precision, ckpt]

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import csv
 import difflib
 import functools
-import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -18,7 +16,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline import adapters, models
-from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY
+from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY, header
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
 from pipeline.slurm import cpus_per_task as _slurm_resolvers  # noqa: F401 (registers conf/launcher/slurm.yaml's)
@@ -70,7 +68,7 @@ def did_you_mean(value, names) -> str:
 
 def allowed(value, names) -> str:
     """The end of an unknown-name message: the closest choice first when one is close, then the choices."""
-    return f"{did_you_mean(value, names)}allowed values are {', '.join(names)}"
+    return f"{did_you_mean(value, names)}allowed values are {', '.join('null' if n is None else n for n in names)}"
 
 
 def search_dirs(argv: list[str]) -> tuple[list[Path], bool]:
@@ -145,6 +143,7 @@ CHOICES = {
     "train.padding": PADDINGS,
     "train.sharding": SHARDINGS,
     "launcher.name": LAUNCHERS,
+    "model.attn_implementation": models.ATTENTION,
 }
 POSITIVE_INTS = (
     "batch_size",
@@ -213,6 +212,28 @@ def _check_sharding_backend(cfg: DictConfig) -> None:
             "sharding runs on backend=accelerator (the Trainer does plain DDP: train.sharding=none)",
             ("train.sharding", "backend.name"),
         )
+
+
+def _check_flash_attention(cfg: DictConfig) -> None:
+    """flash_attention_2 runs on a CUDA GPU with the flash-attn package: a job here needs both (a scheduler's
+    job is checked where it runs), a plan a CUDA target."""
+    if cfg.model.get("attn_implementation") != "flash_attention_2" or cfg.launcher.name == "slurm":
+        return
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() and not (cfg.plan and cfg.device_memory is not None):
+        lack = "torch sees no CUDA GPU here" + ("; plan for one with device_memory=<gpu>" if cfg.plan else "")
+    elif not cfg.plan and importlib.util.find_spec("flash_attn") is None:
+        lack = "the flash-attn package is not installed (pip install flash-attn)"
+    else:
+        return
+    raise ConfigError(
+        f"model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package, and {lack}; "
+        "sdpa runs the same flash kernel where no row is padded",
+        ("model.attn_implementation", "plan", "device_memory"),
+    )
 
 
 def _check_in_backward(cfg: DictConfig) -> None:
@@ -493,6 +514,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_sharding_backend, cfg)
     yield partial(_check_frozen_base, cfg)
     yield partial(_check_in_backward, cfg)
+    yield partial(_check_flash_attention, cfg)
     yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
     # task=causal_lm's, which train.lr reads
     if OmegaConf.select(cfg, "task.random_weights_lr_scale") is not None:
@@ -631,23 +653,6 @@ def problems(cfg: DictConfig) -> Iterator[ConfigError]:
             yield err
         except Exception:  # noqa: BLE001 (e.g. comparing with a value another check rejects)
             continue
-
-
-def header(path: Path) -> list[str] | None:
-    """Column names of a csv or json-lines file from its first line; a text file's one column, `text` (as
-    datasets' text loader names it); None for other formats."""
-    if path.suffix in TEXT_ONLY:
-        return ["text"]
-    with path.open(newline="") as file:
-        first = file.readline()
-    if path.suffix == ".csv":
-        return next(csv.reader([first]), [])
-    if path.suffix in (".json", ".jsonl") and first.lstrip().startswith("{"):
-        try:
-            return list(json.loads(first))
-        except json.JSONDecodeError:
-            return None  # a JSON array file: left to `datasets`
-    return None
 
 
 def check_tracking_uri(cfg: DictConfig) -> None:

@@ -4,6 +4,7 @@ tokenized (a language model's text optionally packed into full blocks)."""
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import importlib.util
 import json
@@ -432,3 +433,20 @@ class PaddingCollator:
         """(real tokens, all tokens) of the first `steps` batches."""
         real, padded = zip(*self.batches[:steps], strict=True) if self.batches else ((), ())
         return sum(real), sum(padded)
+
+
+def header(path: Path) -> list[str] | None:
+    """Column names of a csv or json-lines file from its first line; a text file's one column, `text` (as
+    datasets' text loader names it); None for other formats."""
+    if path.suffix in TEXT_ONLY:
+        return ["text"]
+    with path.open(newline="") as file:
+        first = file.readline()
+    if path.suffix == ".csv":
+        return next(csv.reader([first]), [])
+    if path.suffix in (".json", ".jsonl") and first.lstrip().startswith("{"):
+        try:
+            return list(json.loads(first))
+        except json.JSONDecodeError:
+            return None  # a JSON array file: left to `datasets`
+    return None

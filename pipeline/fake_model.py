@@ -37,7 +37,8 @@ def _fake_model(
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     mode = fake_mode()
-    kwargs = {"attn_implementation": attn} if attn else {}
+    # flash_attention_2 (CUDA and its package) is planned as SDPA fed no mask: torch's flash kernel, its saved tensors
+    kwargs = {"attn_implementation": "sdpa" if attn == "flash_attention_2" else attn} if attn else {}
     # bf16 weights under bf16_pure, no fp32 copy; with adapters the base in its own dtype (adapters.dtypes,
     # resolved in `peft`): built so, as fake tensors cannot be cast
     base = (

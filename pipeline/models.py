@@ -321,6 +321,20 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
 
 
+ATTENTION = (
+    None,
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+)  # model.attn_implementation's values (None: transformers')
+
+
+def attention_kwargs(model_cfg: DictConfig) -> dict:
+    """model.attn_implementation as transformers takes it (nothing where unset: its own default)."""
+    attn = model_cfg.get("attn_implementation")
+    return {} if attn is None else {"attn_implementation": attn}
+
+
 def head_kwargs(task: str, num_labels: int, label_names: list[str] | None) -> dict:
     """The config's settings for the model's head: a classifier's labels; a language model's head is its
     vocabulary."""
@@ -348,7 +362,9 @@ def load_model(
     if model_cfg.pretrained:
         source = weights_source(model_cfg)
         try:
-            model = cls.from_pretrained(source, **head_kwargs(task, num_labels, label_names))
+            model = cls.from_pretrained(
+                source, **head_kwargs(task, num_labels, label_names), **attention_kwargs(model_cfg)
+            )
         except OSError as err:
             raise OSError(
                 f"model {model_cfg.name}: weights {source!r} are neither packaged nor in the local Hugging Face "
@@ -384,9 +400,9 @@ def model_config(
     """The transformers config a job's model is built from, read without any weights (plan mode)."""
     from transformers import AutoConfig
 
-    labels = head_kwargs(task, num_labels, label_names)
+    settings = {**head_kwargs(task, num_labels, label_names), **attention_kwargs(model_cfg)}
     if model_cfg.architecture is None:  # a packaged or hub model: its own config file
         source = packaged_path(model_cfg.package) if model_cfg.package else model_cfg.hub_id
-        return AutoConfig.from_pretrained(source, **labels)
+        return AutoConfig.from_pretrained(source, **settings)
     arch = OmegaConf.to_container(model_cfg.architecture, resolve=True)
-    return AutoConfig.for_model(**{**arch, **labels})  # (the head's settings over a config.json's own)
+    return AutoConfig.for_model(**{**arch, **settings})  # (the head's settings over a config.json's own)

@@ -292,20 +292,24 @@ def profile(
     cuda: bool = False,
     task: str = "classification",
     peft: str | None = None,
+    unmasked: str = "none",
 ) -> Profile:
     """The forward and backward pass's Profile for sequences of `seq` tokens of a job of `task` with the
     adapters `peft` (peft_settings; None: full fine-tuning) (cached: a sweep's plans of one model share it; in
     `store` too, a pipeline.cache.Store, where other processes find it), on a CUDA target when `cuda` (its
     attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
     lines), and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's depth: four
-    passes of a 2- or 3-layer model plan an 8B one."""
+    passes of a 2- or 3-layer model plan an 8B one. `unmasked` (`unmasked_rows`): the batches whose model is
+    fed no attention mask, none, one text's or all."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda, task)
     key += () if peft is None else (peft,)  # (full fine-tuning's as before the adapters existed)
+    key += (getattr(model_config, "_attn_implementation", None), unmasked)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config, task)
-        run = functools.partial(_trace, cuda=cuda, task=task, peft=peft)
 
         def trace_at(batch: int) -> np.ndarray:
+            masked = unmasked == "none" or (unmasked == "one" and batch > 1)
+            run = functools.partial(_trace, cuda=cuda, task=task, peft=peft, masked=masked)
             if shallow is None:
                 return run(model_config, precision, checkpointing, batch, seq, names, stretches=False)["pass"]
             a, b = (run(c, precision, checkpointing, batch, seq, names, stretches=True) for c in shallow)
@@ -342,10 +346,12 @@ def _trace(
     cuda: bool = False,
     task: str = "classification",
     peft: str | None = None,
+    masked: bool = True,
 ) -> dict[str, np.ndarray]:
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
     `cuda`, attention, dropout and the autocast query as a CUDA GPU runs them (pipeline.cuda_kernels). A language model's logits are a part
-    of their own (pipeline.memory.is_logits), as in a measured breakdown."""
+    of their own (pipeline.memory.is_logits), as in a measured breakdown. Not `masked`: every row full, so that
+    transformers drops the attention mask (`full_rows`)."""
     from pipeline.memory import KindPeak, logits_width
 
     mode, model = fake_model(model_config, precision, checkpointing, task, peft)
@@ -355,7 +361,7 @@ def _trace(
     filed = _stretches(model, tracker) if stretches else contextlib.nullcontext()
     try:
         with mode, tracker, filed, cuda_kernels() if cuda else contextlib.nullcontext():
-            with _autocast(precision):
+            with _autocast(precision), contextlib.nullcontext() if masked else full_rows():
                 loss = model(**inputs).loss
             loss.backward()
         del loss
@@ -488,7 +494,8 @@ def simulate(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
         + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
     )
-    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft)
+    unmasked = unmasked_rows(cfg, model_config)
+    steps = profile(model_config, precision, checkpointing, seq, names, store, cuda, task, peft, unmasked)
     fb = reported(steps.parts(batch), vocab)
     grid = tuple(grid or UPPER_GRID) if cuda else None  # the reductions' buffers: a GPU's step only
     key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda, grid)
@@ -520,6 +527,40 @@ def simulate(
         "vocab": vocab,
         "workspaces": extra,
     }
+
+
+@contextlib.contextmanager
+def full_rows():
+    """Within it, transformers decides on SDPA's mask as for a batch whose attention mask is all ones: none
+    where it needs no other pattern (a sliding window shorter than the sequence does), SDPA then causal (or
+    bidirectional) without one. It reads a real mask's values to decide; a fake tensor's it cannot, and keeps
+    the mask."""
+    from transformers import masking_utils
+
+    causal, bidirectional = (
+        masking_utils._ignore_causal_mask_sdpa,
+        masking_utils._ignore_bidirectional_mask_sdpa,
+    )
+    masking_utils._ignore_causal_mask_sdpa = lambda mask, q, kv, q_offset, kv_offset, local=None: causal(
+        None, q, kv, 0, kv_offset, local
+    )  # (a training step's queries start at position 0: no cache)
+    masking_utils._ignore_bidirectional_mask_sdpa = lambda mask, kv, local=None: bidirectional(
+        None, kv, local
+    )
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = causal
+        masking_utils._ignore_bidirectional_mask_sdpa = bidirectional
+
+
+def unmasked_rows(cfg, model_config) -> str:
+    """Which batches' attention masks are all ones, so that transformers gives SDPA none (`full_rows`: torch's
+    flash kernel on CUDA): `all` (packing's full blocks; flash_attention_2, planned as that kernel), `one` (a
+    batch of one text padded to its own length: train.padding=longest) or `none` (padded rows assumed)."""
+    if cfg.train.get("packing") or getattr(model_config, "_attn_implementation", None) == "flash_attention_2":
+        return "all"
+    return "one" if cfg.train.get("padding", "longest") == "longest" else "none"
 
 
 def reported(parts: dict[str, float], vocab: int | None) -> dict[str, float]:

@@ -127,6 +127,20 @@ def logits_line(metrics: dict) -> str | None:
     )
 
 
+def planned_config(cfg):
+    """The transformers config a plan builds the job's model from, as models.build would set it up: its
+    architecture and attention kernel, a pad token (decoders classify from the last non-padding token and pad a
+    batch with it), its loss in train.loss_chunks pieces."""
+    from pipeline import models
+
+    config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
+    if config.pad_token_id is None:
+        config.pad_token_id = 0
+    if cfg.train.get("loss_chunks", 0):
+        config.loss_chunks = cfg.train.loss_chunks
+    return config
+
+
 def plan_result(cfg) -> dict:
     """The record of a plan job: the predicted parts and peak of a training step (per rank for several) at the
     configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
@@ -134,11 +148,7 @@ def plan_result(cfg) -> dict:
 
     start = time.perf_counter()
     spec = optimizers.spec_for(cfg.optim)
-    config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
-    if config.pad_token_id is None:  # decoders classify from the last non-padding token (and pad a batch)
-        config.pad_token_id = 0
-    if cfg.train.get("loss_chunks", 0):  # as models.build marks a job's model
-        config.loss_chunks = cfg.train.loss_chunks
+    config = planned_config(cfg)
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
     # the reductions' buffers: sized for the named GPU's grid, else this machine's GPU's
     grid = cuda_reductions.grid_for(cfg.device_memory) if cuda else None

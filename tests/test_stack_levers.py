@@ -4,7 +4,7 @@ backends, against its plan, and what it saves against the same job without it.""
 import pytest
 import torch
 
-from pipeline import models
+from pipeline import MB, models, optimizers, plan, plan_job
 from pipeline.config import ConfigError, validate
 from tests.conftest import compose_cfg
 
@@ -65,3 +65,70 @@ def test_a_chunked_loss_holds_one_piece_of_the_logits_as_planned(backend, tmp_pa
     assert chunked["peak_logits_mb"] == pytest.approx(whole["peak_logits_mb"] / 4, rel=1e-9)
     assert chunked["predicted_logits_mb"] == pytest.approx(chunked["peak_logits_mb"], rel=1e-9)
     assert whole["peak_memory_mb"] > 2.5 * chunked["peak_memory_mb"]
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("backend", ["accelerator", "trainer"])
+def test_each_attention_kernel_is_measured_as_planned(backend, tmp_path):
+    """model.attn_implementation: llama-tiny (2 x 256 tokens, its loss in 4 pieces) with eager attention, which
+    keeps each layer's softmax probabilities, and with SDPA (CPU's flash kernel), which does not: each job's
+    peak within 1% of its plan, and eager's at least one layer's probabilities (2 x 4 heads x 256^2 fp32) above."""
+    from bench.plan_accuracy_lm import case
+
+    found = {
+        attn: case(
+            "llama-tiny",
+            2,
+            256,
+            False,
+            False,
+            tmp_path,
+            backend=backend,
+            extra=("train.loss_chunks=4", f"model.attn_implementation={attn}"),
+        )["metrics"]
+        for attn in ("eager", "sdpa")
+    }
+    for m in found.values():
+        assert abs(m["predicted_peak_error_pct"]) <= 1, m
+    probabilities = 2 * 4 * 256**2 * 4 / MB
+    assert found["eager"]["peak_memory_mb"] - found["sdpa"]["peak_memory_mb"] >= probabilities
+
+
+def test_a_plans_attention_kernel_and_mask_are_its_own():
+    """Two plans in one process that differ only in the attention kernel share no pass; on a CUDA target a batch
+    whose rows are all full (packing; one text padded to its own length) is given no mask, as transformers
+    drops a mask of ones: no B x 1 x S x S bias a layer; flash_attention_2 is planned as that kernel. A classifier (llama-tiny
+    with its 2-label head), whose step attention dominates."""
+    spec = optimizers.get("adamw")
+
+    def peak(*overrides, batch=4, seq=256, cuda=False):
+        cfg = compose_cfg("model=llama-tiny", "train.precision=bf16", "train.padding=max_length", *overrides)
+        config = plan_job.planned_config(cfg)
+        found = plan.simulate(config, spec, cfg, batch, seq, cuda=cuda)
+        return sum(
+            found["profile"].parts(batch).values()
+        )  # the pass's peak (the step's may be the optimizer's)
+
+    assert (
+        peak("model.attn_implementation=eager") > peak("model.attn_implementation=sdpa") + 4 * 4 * 256**2 / MB
+    )
+    # (one text: long enough that the mask outweighs the embeddings' gradient, the peak without it)
+    for batch, seq, full_rows in ((4, 256, "train.packing=true"), (1, 1024, "train.padding=longest")):
+        padded, full = peak(batch=batch, seq=seq, cuda=True), peak(full_rows, batch=batch, seq=seq, cuda=True)
+        assert padded - full >= batch * seq**2 * 2 / MB  # at least a layer's bf16 mask bias
+    flash = "model.attn_implementation=flash_attention_2", "device_memory=h100-80gb"
+    assert peak(*flash, batch=1, seq=1024, cuda=True) == full
+
+
+def test_flash_attention_2_needs_a_cuda_gpu_and_its_package():
+    with pytest.raises(
+        ConfigError, match="flash_attention_2 needs a CUDA GPU .* torch sees no CUDA GPU here"
+    ):
+        validate(compose_cfg(*LM, "model.attn_implementation=flash_attention_2"))
+    with pytest.raises(ConfigError, match="plan for one with device_memory=<gpu>"):
+        validate(compose_cfg(*LM, "plan=true", "model.attn_implementation=flash_attention_2"))
+    validate(
+        compose_cfg(*LM, "plan=true", "model.attn_implementation=flash_attention_2", "device_memory=h200")
+    )
+    with pytest.raises(ConfigError, match="model.attn_implementation='flash' is invalid"):
+        validate(compose_cfg(*LM, "model.attn_implementation=flash"))
