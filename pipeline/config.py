@@ -153,7 +153,13 @@ POSITIVE_INTS = (
     "launcher.n_jobs",
     "launcher.nproc_per_job",
 )
-BOOLEANS = ("find_batch_size", "plan", "train.gradient_checkpointing", "train.packing")
+BOOLEANS = (
+    "find_batch_size",
+    "plan",
+    "train.gradient_checkpointing",
+    "train.packing",
+    "train.optimizer_in_backward",
+)
 LOG_LEVELS = LEVELS  # log_level: pipeline.quiet
 
 
@@ -215,38 +221,35 @@ def _check_sharding_backend(cfg: DictConfig) -> None:
 
 
 def _check_flash_attention(cfg: DictConfig) -> None:
-    """flash_attention_2 runs on a CUDA GPU with the flash-attn package: a job here needs both (a scheduler's
-    job is checked where it runs), a plan a CUDA target."""
-    if cfg.model.get("attn_implementation") != "flash_attention_2" or cfg.launcher.name == "slurm":
-        return
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available() and not (cfg.plan and cfg.device_memory is not None):
-        lack = "torch sees no CUDA GPU here" + ("; plan for one with device_memory=<gpu>" if cfg.plan else "")
-    elif not cfg.plan and importlib.util.find_spec("flash_attn") is None:
-        lack = "the flash-attn package is not installed (pip install flash-attn)"
-    else:
-        return
-    raise ConfigError(
-        f"model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package, and {lack}; "
-        "sdpa runs the same flash kernel where no row is padded",
-        ("model.attn_implementation", "plan", "device_memory"),
-    )
+    lack = models.flash_attention_lacks(cfg)
+    if lack is not None:
+        raise ConfigError(lack, ("model.attn_implementation", "plan", "device_memory"))
 
 
 def _check_in_backward(cfg: DictConfig) -> None:
-    """Optimizers that update inside the backward pass (LOMO, layer-wise) run in one process, are measured by
-    training (not planned), and AdaLomo needs CUDA (checked here for jobs that run on this machine)."""
+    """Optimizers that update inside the backward pass (LOMO, layer-wise, train.optimizer_in_backward) run in
+    one process without clipping; LOMO's and the layer-wise ones are measured by training (not planned);
+    AdaLomo needs CUDA (checked here for jobs that run on this machine)."""
     spec = spec_for(cfg.optim)
-    name = cfg.optim.name
-    if spec.in_backward and (cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
+    name, lever = cfg.optim.name, cfg.train.get("optimizer_in_backward")
+    what = "train.optimizer_in_backward=true" if lever else f"optim={name}"
+    if lever and (spec.in_backward or cfg.train.max_grad_norm):
         raise ConfigError(
-            f"optim={name} is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job} / "
+            f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: "
+            + (
+                "it updates inside the backward pass already"
+                if spec.in_backward
+                else "clipping needs every "
+                "gradient at once, and each is used and freed as it arrives (train.max_grad_norm=0)"
+            ),
+            ("train.optimizer_in_backward", "optim.name", "train.max_grad_norm"),
+        )
+    if (spec.in_backward or lever) and (cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
+        raise ConfigError(
+            f"{what} is invalid with launcher.nproc_per_job={cfg.launcher.nproc_per_job} / "
             f"train.sharding={cfg.train.sharding}: it updates each parameter inside the backward pass, before "
             "gradients are averaged over processes (one process: launcher.nproc_per_job=1, train.sharding=none)",
-            ("optim.name", "launcher.nproc_per_job", "train.sharding"),
+            ("optim.name", "train.optimizer_in_backward", "launcher.nproc_per_job", "train.sharding"),
         )
     if spec.in_backward and cfg.plan:
         raise ConfigError(

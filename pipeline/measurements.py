@@ -150,7 +150,7 @@ def prediction(cfg, spec, model, names, ranks: list[dict], measured: list[float]
     simulates the same adapters on the same (4-bit) base."""
     if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
         return {}
-    if spec.in_backward:
+    if spec.in_backward and not cfg.train.get("optimizer_in_backward"):  # (LOMO's, the layer-wise ones)
         return {"prediction_method": "none: the optimizer updates inside the backward pass"}
     cuda = next(model.parameters()).device.type == "cuda"
     out = {}

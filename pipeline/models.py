@@ -335,6 +335,28 @@ def attention_kwargs(model_cfg: DictConfig) -> dict:
     return {} if attn is None else {"attn_implementation": attn}
 
 
+def flash_attention_lacks(cfg: DictConfig) -> str | None:
+    """What a job or a plan of model.attn_implementation=flash_attention_2 lacks, in one line (None: nothing,
+    or another kernel): a job here needs a CUDA GPU and the flash-attn package (a scheduler's job is checked
+    where it runs), a plan a CUDA target."""
+    if cfg.model.get("attn_implementation") != "flash_attention_2" or cfg.launcher.name == "slurm":
+        return None
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() and not (cfg.plan and cfg.device_memory is not None):
+        lack = "torch sees no CUDA GPU here" + ("; plan for one with device_memory=<gpu>" if cfg.plan else "")
+    elif not cfg.plan and importlib.util.find_spec("flash_attn") is None:
+        lack = "the flash-attn package is not installed (pip install flash-attn)"
+    else:
+        return None
+    return (
+        f"model.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package, and {lack}; "
+        "sdpa runs the same flash kernel where no row is padded"
+    )
+
+
 def head_kwargs(task: str, num_labels: int, label_names: list[str] | None) -> dict:
     """The config's settings for the model's head: a classifier's labels; a language model's head is its
     vocabulary."""

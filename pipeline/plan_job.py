@@ -40,7 +40,7 @@ def logits_metrics(prediction: dict, batch: int) -> dict[str, float]:
     at = rows[rows[:, plan.PART_KEYS.index("logits")].argmax()]
     return {
         "predicted_logits_largest_mb": float(at[plan.PART_KEYS.index("logits")]),
-        "predicted_logits_largest_total_mb": float(at.sum() + prediction["state"] + prediction["workspaces"]),
+        "predicted_logits_largest_total_mb": float(at.sum() + prediction["beside_pass"]),
     }
 
 

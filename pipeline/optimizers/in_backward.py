@@ -64,24 +64,53 @@ def build_layerwise(model, cfg, make, projected: dict):
     `make(groups)`, in its order (the other parameters, then the projected weights, whose group adds
     `projected`), each stepped and its gradient freed from that parameter's post-accumulate-grad hook, behind
     transformers' LayerWiseDummyOptimizer (whose step and zero_grad do nothing)."""
-    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
-
     targets = galore_targets(model, cfg)
     named = list(model.named_parameters())
     optimizer_dict = {p: make([{"params": [p]}]) for n, p in named if n not in targets}
     for n, p in named:
         if n in targets:
             optimizer_dict[p] = make([{"params": [p], **projected}])
+    return stepped_in_backward(optimizer_dict, cfg)
+
+
+def stepped_in_backward(optimizer_dict: dict, cfg):
+    """Each parameter's optimizer stepped, and the gradient freed, from the parameter's post-accumulate-grad
+    hook, behind transformers' LayerWiseDummyOptimizer (its step and zero_grad do nothing)."""
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
 
     def optimizer_hook(p):
         if p.grad is not None:
             optimizer_dict[p].step()
             optimizer_dict[p].zero_grad()
 
-    for p in model.parameters():
+    for p in optimizer_dict:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(optimizer_hook)
     return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=learning_rate(cfg))
+
+
+def per_parameter(spec: OptimizerSpec, model, cfg) -> dict:
+    """One optimizer for each parameter `spec.build` trains, of its class and with its parameter group's
+    settings (the weight decay or none, the rate, the betas)."""
+    whole = spec.build(model, cfg)
+    return {
+        p: type(whole)([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])
+        for group in whole.param_groups
+        for p in group["params"]
+    }
+
+
+def optimizer_in_backward(spec: OptimizerSpec) -> OptimizerSpec:
+    """train.optimizer_in_backward: `spec`'s optimizer one per parameter (`per_parameter`), each stepped from
+    its parameter's post-accumulate-grad hook and the gradient freed there, as torch's tutorial on fusing the
+    optimizer step into the backward pass does and the layer-wise optimizers are run: no gradient of the
+    whole model is ever held. The Trainer is handed the object; the state is `spec`'s."""
+    import dataclasses
+
+    def build(model, cfg):
+        return stepped_in_backward(per_parameter(spec, model, cfg), cfg)
+
+    return dataclasses.replace(spec, build=build, trainer_optim=None, in_backward=LAYERWISE)
 
 
 def build_galore_adamw_layerwise(model, cfg):

@@ -76,8 +76,11 @@ def spec_for(optim) -> OptimizerSpec:
 def choose(cfg) -> Choice:
     """The registry's one answer for a job's config: its entry (`spec_for`), the Trainer's `optim=` string
     when the job runs on the Trainer and that string's path carries the config's settings (None: the backend
-    builds `spec.build`'s object), and the variant the estimate follows (`OptimizerSpec.variant`)."""
+    builds `spec.build`'s object), and the variant the estimate follows (`OptimizerSpec.variant`). With
+    train.optimizer_in_backward, the entry's optimizer stepped inside backward, one per parameter."""
     spec = spec_for(cfg.optim)
+    if cfg.train.get("optimizer_in_backward"):
+        spec = in_backward.optimizer_in_backward(spec)
     string = spec.trainer_string(cfg) if cfg.backend.name == "trainer" else None
     return Choice(spec=spec, trainer_optim=string, variant=spec.trainer_variant if string else None)
 
