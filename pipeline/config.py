@@ -325,11 +325,11 @@ def _check_peft(cfg: DictConfig) -> None:
                 f"with pip install -e '.[{EXTRA}]' (make install does)",
                 ("peft.name",),
             )
-    if cfg.plan and cfg.train.sharding in ("zero2", "fsdp"):
+    if cfg.plan and cfg.train.sharding == "zero2":
         raise ConfigError(
-            f"plan=true is invalid with peft={kind} and train.sharding={cfg.train.sharding}: the plan counts "
-            "shards of whole trainable weights, not flat shards of a frozen base and its adapters (plan "
-            "train.sharding=none or zero1)",
+            f"plan=true is invalid with peft={kind} and train.sharding=zero2: the plan counts shards of whole "
+            "trainable weights, not ZeRO-2's flat shards of a frozen base and its adapters (plan "
+            "train.sharding=none, zero1 or fsdp)",
             ("plan", "peft.name", "train.sharding"),
         )
 

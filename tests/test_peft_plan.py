@@ -240,11 +240,15 @@ def test_a_plan_of_lora_and_qlora_is_valid_and_sharded_adapters_are_one_line():
             "model=tiny", "peft=lora", "plan=true", "launcher.nproc_per_job=2", "train.sharding=zero1"
         )
     )
+    validate(
+        compose_cfg("model=tiny", "peft=lora", "plan=true", "launcher.nproc_per_job=2", "train.sharding=fsdp")
+    )
     with pytest.raises(ConfigError) as err:
-        validate(compose_cfg("model=tiny", "peft=lora", "plan=true", "train.sharding=fsdp"))
+        validate(compose_cfg("model=tiny", "peft=lora", "plan=true", "train.sharding=zero2"))
     assert str(err.value) == (
-        "plan=true is invalid with peft=lora and train.sharding=fsdp: the plan counts shards of whole trainable "
-        "weights, not flat shards of a frozen base and its adapters (plan train.sharding=none or zero1)"
+        "plan=true is invalid with peft=lora and train.sharding=zero2: the plan counts shards of whole trainable "
+        "weights, not ZeRO-2's flat shards of a frozen base and its adapters (plan train.sharding=none, zero1 "
+        "or fsdp)"
     )
 
 

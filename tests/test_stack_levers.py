@@ -6,7 +6,7 @@ import torch
 
 from pipeline import MB, models, optimizers, plan, plan_job
 from pipeline.config import ConfigError, validate
-from tests.conftest import compose_cfg
+from tests.conftest import ROOT, compose_cfg
 
 LM = ["task=causal_lm", "model=llama-tiny"]
 
@@ -162,3 +162,42 @@ def test_the_step_inside_backward_refuses_clipping_and_an_optimizer_that_is_ther
         args = ("train.optimizer_in_backward=true", "train.max_grad_norm=0", "launcher.nproc_per_job=2")
         validate(compose_cfg(*LM, *args))
     validate(compose_cfg(*LM, "plan=true", "train.optimizer_in_backward=true", "train.max_grad_norm=0"))
+
+
+TORCHTUNE_LORA_4090_MIB = 16.2 * 1024  # torchtune's README: Llama 3.1 8B, LoRA, 1x 4090, peak memory per GPU
+
+
+@pytest.mark.slow  # plans of an 8B and a 70B: about 10 s
+def test_torchtunes_lora_recipe_fits_a_4090_and_a_70b_lora_fits_four_h100s_under_fsdp():
+    """torchtune's Llama-3.1-8B LoRA recipe on an RTX 4090 (r=8 on q and v, bf16 weights, fused AdamW, 2 x 2,048
+    tokens, checkpointing, the loss in 8 pieces) within 5% of its published 16.2 GiB, and said to fit; a
+    Llama-3.1-70B LoRA under FSDP on four H100s: each rank a quarter of the bf16 base and the units it gathers,
+    and it fits."""
+    from pipeline.config import own_model
+
+    recipe = ["plan=true", "task=causal_lm", "model=llama-3.1-8b", "peft=lora", "peft.r=8", "peft.alpha=16"]
+    recipe += ["peft.dropout=0", "peft.target_modules=[q_proj,v_proj]", "optim=adamw_fused", "batch_size=2"]
+    recipe += ["train.precision=bf16_pure", "train.max_length=2048", "train.gradient_checkpointing=true"]
+    m = plan_job.plan_result(compose_cfg(*recipe, "train.loss_chunks=8", "device_memory=rtx-4090"))["metrics"]
+    assert abs(m["predicted_peak_mb"] / TORCHTUNE_LORA_4090_MIB - 1) <= 0.05, m["predicted_peak_mb"]
+    assert m["fits"] == 1
+
+    cfg = compose_cfg(
+        "plan=true",
+        "task=causal_lm",
+        f"model.config={ROOT / 'docs/examples/models/llama-3.1-70b.json'}",
+        "peft=lora",
+        "peft.r=16",
+        "batch_size=1",
+        "train.max_length=2048",
+        "train.gradient_checkpointing=true",
+        "train.precision=bf16",
+        "backend=accelerator",
+        "launcher.nproc_per_job=4",
+        "train.sharding=fsdp",
+        "device_memory=h100-80gb",
+    )
+    m = plan_job.plan_result(own_model(cfg))["metrics"]
+    base = 2 * m["model_num_params"] / MB  # bf16
+    # a quarter of the base, and the units FSDP gathers (embeddings and head, two layers): under a third of it
+    assert m["fits"] == 1 and base / 4 < m["predicted_peak_params_mb"] < base / 3
