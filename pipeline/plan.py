@@ -301,19 +301,19 @@ def profile(
     attention kernels). Simulated at the batch sizes the Profile asks for (one, or two for its
     lines), and, for a deep model, at SHALLOW's depths, each trace then extrapolated to the model's depth: four
     passes of a 2- or 3-layer model plan an 8B one. `unmasked` (`unmasked_rows`): the batches whose model is
-    fed no attention mask, none, one text's or all. `stepped`: (spec, cfg, their settings as a key, whether
-    its step runs on fake tensors) of an optimizer stepped inside backward (train.optimizer_in_backward): its
-    state and steps in the pass, or, where its step cannot run so, each gradient freed as it arrives."""
+    fed no attention mask, none, one text's or all. `stepped`: (spec, cfg, their settings as a key) of an
+    optimizer stepped inside backward (train.optimizer_in_backward): its state and steps in the pass, or, where
+    its step cannot run on fake tensors, each gradient freed as it arrives."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda, task)
     key += () if peft is None else (peft,)  # (full fine-tuning's as before the adapters existed)
     key += (getattr(model_config, "_attn_implementation", None), unmasked)
-    key += () if stepped is None else stepped[2:]
+    key += () if stepped is None else (stepped[2],)
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config, task)
 
         def trace_at(batch: int) -> np.ndarray:
             masked = unmasked == "none" or (unmasked == "one" and batch > 1)
-            step = None if stepped is None else (stepped[0], stepped[1], stepped[3])
+            step = None if stepped is None else stepped[:2]
             run = functools.partial(_trace, cuda=cuda, task=task, peft=peft, masked=masked, stepped=step)
             if shallow is None:
                 return run(model_config, precision, checkpointing, batch, seq, names, stretches=False)["pass"]
@@ -357,14 +357,14 @@ def _trace(
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
     `cuda`, attention, dropout and the autocast query as a CUDA GPU runs them (pipeline.cuda_kernels). A language model's logits are a part
     of their own (pipeline.memory.is_logits), as in a measured breakdown. Not `masked`: every row full, so that
-    transformers drops the attention mask (`full_rows`). `stepped` (spec, cfg, runs): each weight's
+    transformers drops the attention mask (`full_rows`). `stepped` (spec, cfg): each weight's
     optimizer stepped from its gradient's hook, the gradient freed there (`_stepped_in_backward`), with its
     state in place (step 2's pass); where its step does not run on fake tensors, the gradient freed alone."""
     from pipeline.memory import KindPeak, logits_width
 
     mode, model = fake_model(model_config, precision, checkpointing, task, peft)
     inputs = _inputs(mode, batch, seq, names, task)
-    hooks, inner = _stepped_in_backward(mode, model, *stepped, cuda=cuda) if stepped else ([], {})
+    hooks, inner = _stepped_in_backward(mode, model, *stepped, cuda) if stepped else ([], {})
     tracker = KindPeak(model, inputs.values(), vocab=logits_width(model))
     for optimizer in inner.values():
         tracker.file_state(optimizer)
@@ -386,51 +386,36 @@ def _trace(
             handle.remove()
 
 
-def _stepped_in_backward(mode, model, spec, cfg, runs: bool, cuda: bool) -> tuple[list, dict]:
+def _stepped_in_backward(mode, model, spec, cfg, cuda: bool) -> tuple[list, dict]:
     """A job's optimizer stepped inside backward (pipeline.optimizers.in_backward), on the fake model: one per
     trainable weight, its state made by a first step (torch's `foreach` loop on a CUDA target, as torch picks
     there), then each stepped from its weight's post-accumulate-grad hook and the gradient freed; where its
-    step does not run on fake tensors (not `runs`), each gradient freed alone. The hooks' handles (to remove:
-    the fake model is cached) and the optimizers."""
+    step does not run on fake tensors (bitsandbytes' kernels need real data; a compiled step is not tried),
+    each gradient freed alone. The hooks' handles (to remove: the fake model is cached) and the optimizers."""
     from pipeline.optimizers.in_backward import per_parameter
 
-    if not runs:
-        trained = [p for p in model.parameters() if p.requires_grad]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    try:
+        if spec.compiles_step:
+            raise NotImplementedError
+        with mode:
+            inner = per_parameter(spec, model, cfg)
+            for p, optimizer in inner.items():
+                for group in optimizer.param_groups:
+                    if cuda and "foreach" in group and group["foreach"] is None:
+                        group["foreach"] = True
+                p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    except Exception:  # noqa: BLE001 (a kernel that needs real data)
+        model.zero_grad(set_to_none=True)
         return [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in trained], {}
-    with mode:
-        inner = per_parameter(spec, model, cfg)
-        for p, optimizer in inner.items():
-            for group in optimizer.param_groups:
-                if cuda and "foreach" in group and group["foreach"] is None:
-                    group["foreach"] = True
-            p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
 
     def hook(p):
         inner[p].step()
         inner[p].zero_grad(set_to_none=True)
 
     return [p.register_post_accumulate_grad_hook(hook) for p in inner], inner
-
-
-def steps_on_fake_tensors(spec, cfg, mode, model) -> bool:
-    """Whether the optimizer's step, one per weight (train.optimizer_in_backward), runs on the fake model's
-    tensors: bitsandbytes' kernels, for one, need real data; a compiled step (torchao) is not tried."""
-    from pipeline.optimizers.in_backward import per_parameter
-
-    if spec.compiles_step:
-        return False
-    p = next(p for p in model.parameters() if p.requires_grad)
-    try:
-        with mode:
-            p.grad = torch.zeros_like(p)
-            per_parameter(spec, model, cfg)[p].step()
-        return True
-    except Exception:  # noqa: BLE001 (a kernel that needs real data)
-        return False
-    finally:
-        p.grad = None
 
 
 def optimizer_step(
@@ -543,8 +528,11 @@ def simulate(
 
     precision, task = cfg.train.precision, cfg.task.name
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
+    unmasked = unmasked_rows(cfg, model_config)
+    in_backward = bool(cfg.train.get("optimizer_in_backward"))  # its step inside the pass, one per weight
+    base = optimizers.spec_for(cfg.optim) if in_backward else None  # (`spec` then steps inside backward)
     peft = peft_settings(cfg)  # the adapters (peft=lora / qlora), None for full fine-tuning
-    mode, model = fake_model(model_config, precision, checkpointing, task, peft)
+    _, model = fake_model(model_config, precision, checkpointing, task, peft)
     vocab = logits_width(model)
     params = optimizers.param_infos(model)
     whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
@@ -554,17 +542,12 @@ def simulate(
         [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
         + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
     )
-    unmasked = unmasked_rows(cfg, model_config)
-    # train.optimizer_in_backward: the registry's optimizer, one per weight, stepped in the pass
-    in_backward = bool(cfg.train.get("optimizer_in_backward"))
-    if in_backward:
-        base = optimizers.spec_for(cfg.optim)
-        runs = steps_on_fake_tensors(base, cfg, mode, model)
-        stepped = (base, cfg, settings, runs)
-    args = (store, cuda, task, peft, unmasked, stepped if in_backward else None)
+    args = (store, cuda, task, peft, unmasked, (base, cfg, settings) if in_backward else None)
     steps = profile(model_config, precision, checkpointing, seq, names, *args)
     fb = reported(steps.parts(batch), vocab)
-    if in_backward and runs:  # step 2's pass holds the state and makes each step: no step over all gradients
+    # step 2's pass holds the state and makes each step: no step over all gradients (a step that cannot run on
+    # fake tensors leaves the pass without state: below)
+    if in_backward and fb["optimizer"] > 0:
         step, method, at_fb = fb, "simulated (each weight's step inside backward)", fb
     elif in_backward:  # each gradient freed in the pass; the state, and one weight's step, beside it
         largest = max(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
