@@ -24,6 +24,14 @@ LEVERS = {
         "train.gradient_checkpointing=true",
         "about a third more compute a step: each layer's forward runs again in backward",
     ),
+    "loss_chunks": Lever(
+        "train.loss_chunks=8",
+        "the same loss; backward makes each piece's logits again (one more LM-head product a step)",
+    ),
+    "in_backward": Lever(
+        "train.optimizer_in_backward=true train.max_grad_norm=0",
+        "the same update, without gradient clipping (each gradient is used and freed as it arrives); one process",
+    ),
     "bf16": Lever(
         "train.precision=bf16",
         "no known cost to quality (the weights stay fp32); it needs a GPU with bf16 (Ampere or newer)",
@@ -69,11 +77,17 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
     backward pass (`peak_in_pass`): it changes nothing of the optimizer step. The shardings are not among them:
     they need no second plan of the step (pipeline.plan_ranks counts the ranks)."""
     from pipeline.config import CONF_DIR
+    from pipeline.optimizers import spec_for
 
     precision, method = str(cfg.train.precision), adapters.name(cfg)
     found: dict[str, dict] = {}
     if peak_in_pass and not cfg.train.get("gradient_checkpointing", False):
         found["checkpointing"] = {"train.gradient_checkpointing": True}
+    if peak_in_pass and cfg.task.name == "causal_lm" and not cfg.train.get("loss_chunks", 0):
+        found["loss_chunks"] = {"train.loss_chunks": 8}
+    one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
+    if one_process and not cfg.train.get("optimizer_in_backward") and not spec_for(cfg.optim).in_backward:
+        found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
     if precision == "fp32":
         found["bf16"] = {"train.precision": "bf16"}
     if method != "none" and precision in ("bf16", "fp16") and models.dtypes(cfg)[0] == "fp32":
@@ -99,12 +113,11 @@ def with_lever(cfg, overrides: dict):
 
 
 def sharding(cfg) -> str | None:
-    """The sharding lever for a point: FSDP for full fine-tuning with an optimizer of 1-D slices, else ZeRO-1
-    (a plan counts no flat shards of a frozen base, nor of a matrix optimizer's weights); None where the point
-    shards as much already."""
+    """The sharding lever for a point: FSDP (a frozen base's weights sharded too, with adapters) for an optimizer
+    of 1-D slices, else ZeRO-1 (a matrix optimizer works on whole weights); None where the point shards as much
+    already."""
     from pipeline.config import MATRIX_OPTIMIZERS
 
-    full = adapters.name(cfg) == "none" and not str(cfg.optim.name).startswith(MATRIX_OPTIMIZERS)
-    best = "fsdp" if full else "zero1"
+    best = "zero1" if str(cfg.optim.name).startswith(MATRIX_OPTIMIZERS) else "fsdp"
     order = ["none", "zero1", "zero2", "fsdp"]
     return None if order.index(cfg.train.sharding) >= order.index(best) else best

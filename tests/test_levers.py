@@ -10,13 +10,14 @@ from tests.conftest import compose_cfg, run_cli
 
 # each lever as a user types it, composed by Hydra: independent of pipeline.levers' own edits of a config
 TYPED = {
-    "checkpointing": "train.gradient_checkpointing=true",
-    "bf16": "train.precision=bf16",
-    "base16": "peft.base_dtype=auto",
-    "qlora": "peft=qlora",
-    "bf16_pure": "train.precision=bf16_pure",
-    "adamw_8bit": "optim=adamw_8bit",
-    "adafactor": "optim=adafactor",
+    "checkpointing": ["train.gradient_checkpointing=true"],
+    "in_backward": ["train.optimizer_in_backward=true", "train.max_grad_norm=0"],
+    "bf16": ["train.precision=bf16"],
+    "base16": ["peft.base_dtype=auto"],
+    "qlora": ["peft=qlora"],
+    "bf16_pure": ["train.precision=bf16_pure"],
+    "adamw_8bit": ["optim=adamw_8bit"],
+    "adafactor": ["optim=adafactor"],
 }
 
 
@@ -28,10 +29,13 @@ LONG = ["batch_size=32", "train.max_length=128"]
 @pytest.mark.parametrize(
     ("point", "expected"),
     [
-        (["model=tiny", *LONG], {"checkpointing", "bf16", "bf16_pure", "adamw_8bit", "adafactor"}),
+        (
+            ["model=tiny", *LONG],
+            {"checkpointing", "in_backward", "bf16", "bf16_pure", "adamw_8bit", "adafactor"},
+        ),
         (
             ["model=llama-tiny", "peft=lora", "train.precision=bf16", "peft.base_dtype=fp32", *LONG],
-            {"checkpointing", "base16", "qlora", "adamw_8bit", "adafactor"},
+            {"checkpointing", "in_backward", "base16", "qlora", "adamw_8bit", "adafactor"},
         ),
     ],
     ids=["full-fp32", "lora-bf16-fp32-base"],
@@ -52,11 +56,11 @@ def test_each_levers_figures_are_the_plan_of_the_point_that_uses_it(point, expec
         == {k.split("_", 1)[1][:-8] for k in metrics if k.endswith("_peak_mb") and k.startswith("lever_")}
     )
     for name in expected:
-        other = plan_job.plan_result(compose_cfg("plan=true", *point, budget, TYPED[name]))["metrics"]
+        other = plan_job.plan_result(compose_cfg("plan=true", *point, budget, *TYPED[name]))["metrics"]
         assert metrics[f"lever_{name}_peak_mb"] == pytest.approx(other["predicted_peak_mb"], rel=1e-9), name
         assert metrics[f"lever_{name}_max_batch_size"] == other["predicted_max_batch_size"], name
     # sharding: the smallest number of ranks whose plan fits, and the largest batch per rank there
-    shard = "fsdp" if "bf16_pure" in expected else "zero1"
+    shard = "fsdp"  # (adapters: the frozen base sharded too)
     ranks = int(metrics.get(f"lever_{shard}_ranks", 8))  # none recorded: no number of ranks fits (8 does not)
     sharded = [budget, f"launcher.nproc_per_job={ranks}", f"train.sharding={shard}"]
     if f"lever_{shard}_ranks" not in metrics:  # LoRA's state is small: sharding it leaves the pass as it is

@@ -46,6 +46,7 @@ def test_a_chunked_loss_needs_a_language_model_and_a_count():
         validate(compose_cfg(*LM, "train.loss_chunks=-1"))
 
 
+@pytest.mark.slow  # two real jobs each (4 steps, llama-tiny): about 8 s
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("backend", ["accelerator", "trainer"])
 def test_a_chunked_loss_holds_one_piece_of_the_logits_as_planned(backend, tmp_path):
@@ -67,6 +68,7 @@ def test_a_chunked_loss_holds_one_piece_of_the_logits_as_planned(backend, tmp_pa
     assert whole["peak_memory_mb"] > 2.5 * chunked["peak_memory_mb"]
 
 
+@pytest.mark.slow  # two real jobs each (4 steps, llama-tiny): about 8 s
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("backend", ["accelerator", "trainer"])
 def test_each_attention_kernel_is_measured_as_planned(backend, tmp_path):
@@ -134,6 +136,7 @@ def test_flash_attention_2_needs_a_cuda_gpu_and_its_package():
         validate(compose_cfg(*LM, "model.attn_implementation=flash"))
 
 
+@pytest.mark.slow  # two real jobs each (4 steps, llama-tiny): about 8 s
 @pytest.mark.usefixtures("fresh_accelerate_state")
 @pytest.mark.parametrize("backend", ["accelerator", "trainer"])
 def test_the_step_inside_backward_holds_no_gradients_as_planned(backend, tmp_path):
