@@ -321,12 +321,8 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
 
 
-ATTENTION = (
-    None,
-    "sdpa",
-    "eager",
-    "flash_attention_2",
-)  # model.attn_implementation's values (None: transformers')
+# model.attn_implementation's values (None: transformers' default)
+ATTENTION = (None, "sdpa", "eager", "flash_attention_2")
 
 
 def attention_kwargs(model_cfg: DictConfig) -> dict:
