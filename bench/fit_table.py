@@ -48,11 +48,13 @@ PEFT_OPTIMS = ("adamw",)
 
 
 def shardings_for(optim: str, peft: str = "none") -> tuple[str, ...]:
-    """The shardings a row is planned with: DDP and ZeRO-1 only for the optimizers of whole matrices and for
-    adapters (plan=true refuses zero2 and fsdp with them: config._check_peft)."""
+    """The shardings a row is planned with: DDP and ZeRO-1 only for the optimizers of whole matrices; no ZeRO-2
+    for adapters (plan=true refuses it with them: config._check_peft)."""
     from pipeline.config import MATRIX_OPTIMIZERS
 
-    return ("none", "zero1") if peft != "none" or optim.startswith(MATRIX_OPTIMIZERS) else SHARDINGS
+    if optim.startswith(MATRIX_OPTIMIZERS):
+        return ("none", "zero1")
+    return tuple(s for s in SHARDINGS if s != "zero2") if peft != "none" else SHARDINGS
 
 
 def cell(prediction, layout, optim: str, budget: float, extra: float, peft: str = "none") -> str:
@@ -169,9 +171,9 @@ def page(
         "adapters (peft) on the attention projections, the base frozen (no gradients, no state), a classifier's "
         "head in full; `qlora r=16 nf4` the same on a base whose Linear layers are 4-bit NF4 (bitsandbytes, "
         "double quantization), as `peft=lora` and `peft=qlora` train them (docs/plan.md#lora-and-qlora-peft); the "
-        "adapters' rows with AdamW only, and **planned on one GPU, with DDP and with ZeRO-1 only**: `plan=true` "
-        "refuses ZeRO-2 and FSDP with adapters (it counts shards of whole trainable weights, not flat shards of a "
-        "frozen base and its adapters). Not planned: "
+        "adapters' rows with AdamW only, and **planned on one GPU, with DDP, ZeRO-1 and FSDP** (its shards of the "
+        "frozen base too): `plan=true` refuses ZeRO-2 with adapters (it counts shards of whole trainable weights, "
+        "not ZeRO-2's flat partitions of a frozen base). Not planned: "
         + "; ".join(f"{k} ({v})" for k, v in NOT_PLANNED.items())
         + "."
         + "".join(f" **n/a for {m}: the plan failed ({why}).**" for m, why in failed.items()),
