@@ -602,12 +602,16 @@ def full_rows():
         masking_utils._ignore_causal_mask_sdpa,
         masking_utils._ignore_bidirectional_mask_sdpa,
     )
-    masking_utils._ignore_causal_mask_sdpa = lambda mask, q, kv, q_offset, kv_offset, local=None: causal(
-        None, q, kv, 0, kv_offset, local
-    )  # (a training step's queries start at position 0: no cache)
-    masking_utils._ignore_bidirectional_mask_sdpa = lambda mask, kv, local=None: bidirectional(
-        None, kv, local
-    )
+
+    def ones_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        # (a training step's queries start at position 0: no cache)
+        return causal(None, q_length, kv_length, 0, kv_offset, local_attention_size)
+
+    def ones_bidirectional(padding_mask, kv_length, local_attention_size=None):
+        return bidirectional(None, kv_length, local_attention_size)
+
+    masking_utils._ignore_causal_mask_sdpa = ones_causal
+    masking_utils._ignore_bidirectional_mask_sdpa = ones_bidirectional
     try:
         yield
     finally:
