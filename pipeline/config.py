@@ -234,14 +234,15 @@ def _check_in_backward(cfg: DictConfig) -> None:
     name, lever = cfg.optim.name, cfg.train.get("optimizer_in_backward")
     what = "train.optimizer_in_backward=true" if lever else f"optim={name}"
     if lever and (spec.in_backward or cfg.train.max_grad_norm):
+        why = (
+            "it updates inside the backward pass already"
+            if spec.in_backward
+            else (
+                "clipping needs every gradient at once, and each is used and freed as it arrives (train.max_grad_norm=0)"
+            )
+        )
         raise ConfigError(
-            f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: "
-            + (
-                "it updates inside the backward pass already"
-                if spec.in_backward
-                else "clipping needs every "
-                "gradient at once, and each is used and freed as it arrives (train.max_grad_norm=0)"
-            ),
+            f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: {why}",
             ("train.optimizer_in_backward", "optim.name", "train.max_grad_norm"),
         )
     if (spec.in_backward or lever) and (cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):

@@ -151,9 +151,7 @@ def chunk_the_loss(model, chunks: int | None = None) -> None:
         model.forward = types.MethodType(_chunked_forward, model)
 
 
-def _chunked_forward(
-    self, input_ids=None, attention_mask=None, labels=None, num_items_in_batch=None, **kwargs
-):
+def _chunked_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
     import torch
     from torch.utils.checkpoint import checkpoint
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -162,6 +160,7 @@ def _chunked_forward(
         return type(self).forward(
             self, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs
         )
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
     following = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # each position's next token
     head, chunks = self.get_output_embeddings(), self.config.loss_chunks

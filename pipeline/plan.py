@@ -392,7 +392,7 @@ def _stepped_in_backward(mode, model, spec, cfg, cuda: bool) -> tuple[list, dict
     there), then each stepped from its weight's post-accumulate-grad hook and the gradient freed; where its
     step does not run on fake tensors (bitsandbytes' kernels need real data; a compiled step is not tried),
     each gradient freed alone. The hooks' handles (to remove: the fake model is cached) and the optimizers."""
-    from pipeline.optimizers.in_backward import per_parameter
+    from pipeline.optimizers.in_backward import per_parameter, step_and_free
 
     trained = [p for p in model.parameters() if p.requires_grad]
     try:
@@ -410,11 +410,7 @@ def _stepped_in_backward(mode, model, spec, cfg, cuda: bool) -> tuple[list, dict
     except Exception:  # noqa: BLE001 (a kernel that needs real data)
         model.zero_grad(set_to_none=True)
         return [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in trained], {}
-
-    def hook(p):
-        inner[p].step()
-        inner[p].zero_grad(set_to_none=True)
-
+    hook = step_and_free(inner)
     return [p.register_post_accumulate_grad_hook(hook) for p in inner], inner
 
 

@@ -32,8 +32,9 @@ def headroom(peak: float, budget: float) -> dict[str, float]:
 
 def logits_metrics(prediction: dict, batch: int) -> dict[str, float]:
     """A language model's logits at their largest in the forward/backward pass of one process, and what memory
-    holds at that moment (the pass's parts, the state, `extra`: a CUDA target's workspaces): where the peak
-    falls elsewhere (the optimizer step, the end of backward) it holds none of them. A classifier's: none."""
+    holds at that moment (the pass's parts and what the device holds beside the pass: the state, a CUDA target's
+    workspaces): where the peak falls elsewhere (the optimizer step, the end of backward) it holds none of them.
+    A classifier's: none."""
     if prediction["vocab"] is None:
         return {}
     rows = prediction["profile"].values(batch)

@@ -78,15 +78,23 @@ def stepped_in_backward(optimizer_dict: dict, cfg):
     hook, behind transformers' LayerWiseDummyOptimizer (its step and zero_grad do nothing)."""
     from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
 
-    def optimizer_hook(p):
+    hook = step_and_free(optimizer_dict)
+    for p in optimizer_dict:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+    return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=learning_rate(cfg))
+
+
+def step_and_free(optimizer_dict: dict):
+    """The post-accumulate-grad hook that steps a parameter's own optimizer and frees its gradient (a plan's
+    simulated step inside backward runs the same one)."""
+
+    def hook(p):
         if p.grad is not None:
             optimizer_dict[p].step()
             optimizer_dict[p].zero_grad()
 
-    for p in optimizer_dict:
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(optimizer_hook)
-    return LayerWiseDummyOptimizer(optimizer_dict=optimizer_dict, lr=learning_rate(cfg))
+    return hook
 
 
 def per_parameter(spec: OptimizerSpec, model, cfg) -> dict:
