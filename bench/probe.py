@@ -103,16 +103,16 @@ def main(job_dir: Path) -> int:
     import datasets  # noqa: F401
     import transformers  # noqa: F401
 
-    from pipeline import backends, data, job, measurements, models
+    from pipeline import backends, cache, job, models, state, timing
 
     PHASES["job.imports"] = time.perf_counter() - start
     patch(models, "load_tokenizer", "job.load_tokenizer")
     patch(models, "load_model", "job.load_model")
-    patch(data, "read_splits", "job.load_data")  # from the cache, or loaded and cached
-    patch(data, "tokenize", "job.tokenize")
-    # (under the names measurements calls them by)
-    patch(measurements, "optimizer_state_size", "job.state_size")
-    patch(measurements, "peak_flops", "job.peak_flops")
+    # the splits: read back from the cache, or read, sampled, tokenized and kept
+    patch(cache, "cached_dataset", "job.load_data")
+    # (where the train stage reads them after training)
+    patch(state, "optimizer_state_size", "job.state_size")
+    patch(timing, "peak_flops", "job.peak_flops")
     real_get = backends.get
 
     def get(name):  # the job imports only its own backend: its import counts with the imports

@@ -157,10 +157,9 @@ def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
             each(lambda j: j["job.imports"]),
         ),
         (
-            "job process: tokenizer + data + model loading",
+            "job process: tokenizer + data (read back, or read, tokenized and kept) + model loading",
             each(lambda j: j["job.load_tokenizer"] + j["job.load_data"] + j["job.load_model"]),
         ),
-        ("job process: tokenization", each(lambda j: j["job.tokenize"])),
         (
             "job process: backend setup",
             each(lambda j: j["job.backend_train"] - work_s(j)),
@@ -174,7 +173,6 @@ def job_phases(jobs: list[dict]) -> list[tuple[str, list[float]]]:
                     - j["job.load_tokenizer"]
                     - j["job.load_data"]
                     - j["job.load_model"]
-                    - j["job.tokenize"]
                     - j["job.backend_train"]
                 )
             ),

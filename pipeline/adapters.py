@@ -1,6 +1,7 @@
 """Parameter-efficient fine-tuning (peft=lora / qlora) of a job's model: LoRA adapters (Hugging Face peft) on a
 frozen base, for QLoRA the base's Linear layers in 4 bits (bitsandbytes Linear4bit); the method's name, the
-trainable count, the frozen weights, and the 4-bit base's bytes measured and by formula.
+trainable count, the frozen weights, and the 4-bit base's bytes measured and by formula; any model's size and
+FLOPs per token's counts as a job records them (a 4-bit weight counted as the weights it packs).
 
 peft=none leaves the model as it is (full fine-tuning). Torch, peft and bitsandbytes are imported inside the
 functions, so the config can be checked (and the method named) before any heavy import.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from math import ceil, prod
+from typing import NamedTuple
 
 from pipeline import MB
 
@@ -299,12 +301,51 @@ def trainable_params(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+class ModelFlops(NamedTuple):
+    """What a training token costs (flops_per_token): N, L x H x Q, and the trained part of N."""
+
+    non_embedding: int  # N: every parameter but the embedding tables' (looked up, not multiplied)
+    attention: int  # L x H x Q: layers x query heads x head size
+    trained: int  # the part of N that trains: all of it in full fine-tuning, adapters (and a head) with peft
+
+
+def model_flops(model) -> ModelFlops:
+    """What a training token costs, by the usual definition (Kaplan et al. 2020, eq. 2.2; PaLM, Chowdhery et
+    al. 2022, appendix B; nanoGPT's `estimate_mfu`), counted as the step does it: (N, L x H x Q, N trained) for
+    FLOPs per token = 4 N + 2 N_trained + 12 L H Q T (flops_per_token). N: the non-embedding parameters (every
+    parameter but those of the embedding tables, which a token looks up rather than multiplies: word, position
+    and token-type embeddings); 2 FLOPs per parameter forward, 2 backward for the activations' gradients, 2 more
+    for the weights' gradients of those that train, so 6 N in full fine-tuning and 4 N + 2 N_trained over a
+    frozen base (adapters); L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their
+    weighted sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T
+    positions."""
+    import torch
+
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    distinct = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in embeddings]
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelFlops(
+        sum(weights(p) for p in distinct),
+        config.num_hidden_layers * heads * head_dim,
+        sum(weights(p) for p in distinct if p.requires_grad),
+    )
+
+
+def model_size(model) -> tuple[int, ModelFlops]:
+    """(parameters, model_flops) of the whole model; the model stage counts them (Built), before any wrapper
+    (FSDP) shards it, after which each rank's parameters hold its shard only. A 4-bit weight (peft=qlora) counts
+    the weights it holds, two a byte."""
+    return sum(weights(p) for p in model.parameters()), model_flops(model)
+
+
 def figures(cfg, model) -> tuple[dict, dict]:
-    """A PEFT run's (metrics, params): the trainable count, the trainable and frozen weights' bytes (the frozen
-    ones with the buffers and a 4-bit base's constants), the 4-bit base's bytes measured and by formula; its
-    targets as peft resolved them and the trainable count. None for full fine-tuning."""
+    """A model's (metrics, params) as a job records them: the dtypes it holds (held_dtypes); with adapters also
+    the trainable count, the trainable and frozen weights' bytes (the frozen ones with the buffers and a 4-bit
+    base's constants), the 4-bit base's bytes measured and by formula, its targets as peft resolved them."""
     if name(cfg) == "none":
-        return {}, {}
+        return {}, held_dtypes(model)
     held = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
     trainable = sum(t.untyped_storage().nbytes() for t in held if t.requires_grad)
     frozen = sum(t.untyped_storage().nbytes() for t in held if not t.requires_grad)
@@ -324,6 +365,7 @@ def figures(cfg, model) -> tuple[dict, dict]:
     params = {
         "peft_targets": targets_text(cfg.peft, model.peft_config["default"].target_modules),
         "trainable_params": count,
+        **held_dtypes(model),
     }
     return metrics, params
 

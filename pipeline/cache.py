@@ -2,9 +2,9 @@
 under a key made of everything that determines it: the inputs, the library versions and the pipeline's own
 source, so that an entry made by other code or from other inputs is never found, and is computed anew.
 
-What is kept (docs/sweeps.md): `splits/` the data splits as read and their tokenized forms (datasets' Arrow
-files), `plan/` the simulated step behind a job's `predicted_peak_mb`; beside them `torchinductor/` (compiled
-optimizer steps) and `cpu_peak_flops.json`. $PIPELINE_CACHE_DIR puts them elsewhere (keys never collide).
+What is kept (docs/sweeps.md): `splits/` the data splits tokenized (datasets' Arrow files), `plan/` the simulated
+step behind a job's `predicted_peak_mb`; beside them `torchinductor/` (compiled optimizer steps) and
+`cpu_peak_flops.json`. $PIPELINE_CACHE_DIR puts them elsewhere (keys never collide).
 `rm -rf outputs/cache` clears it all; nothing is lost but time.
 """
 
@@ -93,8 +93,12 @@ def cached_dataset(
     datasets version and the pipeline's code. The answer, read from
     there whether just made or found: ({name: Dataset}, the value). A folder appears whole or not at all
     (written aside, then renamed: a parallel job that kept the same datasets first wins) and its writing draws
-    no progress bar of its own on the console."""
+    no progress bar of its own on the console. `files` None: nothing to stamp, so nothing is kept (`build()`'s
+    answer as it is)."""
     import datasets
+
+    if files is None:
+        return build()
 
     where = Path(folder) / key(*inputs, [file_stamp(f) for f in files], datasets.__version__)
     if not (where / manifest).exists():

@@ -246,47 +246,44 @@ def source_files(cfg: DictConfig) -> list | None:
     return None
 
 
-MANIFEST = "splits.json"  # in a cached splits folder: the class names and the splits' dataset inputs
+MANIFEST = "splits.json"  # in a kept splits folder: the class names, the dataset inputs, what the sample cut
 
 
-def read_splits(cfg: DictConfig, outputs_dir, task: str = "classification") -> Splits:
-    """`load_splits` with the splits' dataset inputs, read from local files once per sweep: the splits as read
-    are kept as datasets' Arrow files under <outputs_dir>/cache/splits/<key> (pipeline.cache.cached_dataset),
-    the key made of the data config, the files' sizes and modification times, the datasets version and the
-    pipeline's code. Every job gets them from there, memory-mapped, so that `tokenize` keeps its result beside
-    them too."""
-    files = source_files(cfg)
-    if files is None:
-        splits = load_splits(cfg, task)
-        splits.inputs = dataset_inputs(splits, cfg)
-        return splits
+def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
+    """The data stage: (the model's tokenizer, the splits it tokenized, the collator that pads their batches as
+    train.padding says and records their tokens). The splits are read (load_splits), a
+    short run's evaluation splits cut to a sample (sample) and tokenized (tokenize) to train.max_length tokens
+    and the model's vocabulary, once per sweep where they come from local files: kept as datasets' Arrow files
+    under <outputs_dir>/cache/splits/<key> (pipeline.cache.cached_dataset), the key made of the data config,
+    the sample, the tokenizing settings and the stamps of the data's and the tokenizer's files. Every job gets
+    them from there, memory-mapped. Their `inputs` say what was read, for MLflow."""
+    task, length, packing = cfg.task.name, cfg.train.max_length, cfg.train.packing
+    files = source_files(
+        cfg.data
+    )  # None: a hub dataset (datasets keeps its downloads), tokenized in each job
+    inputs = [OmegaConf.to_container(cfg.data, resolve=True)] + ([task] if task != "classification" else [])
+    inputs.append([eval_sample(cfg), length, packing])
 
-    def build():
-        splits = load_splits(cfg, task)
-        parts = {"train": splits.train, "eval": splits.eval, "val": splits.val}
-        return parts, {"label_names": splits.label_names, "inputs": dataset_inputs(splits, cfg)}
+    def build() -> tuple[dict, dict]:
+        read = load_splits(cfg.data, task)
+        read.inputs = dataset_inputs(read, cfg.data)
+        cut, said = sample(cfg, read)
+        done = tokenize(cut, tokenizer, length, vocab, task, packing)
+        parts = {"train": done.train, "eval": done.eval, "val": done.val}
+        return parts, {"label_names": read.label_names, "inputs": cut.inputs, "said": said}
 
-    # (a language model's splits keyed apart: the same data config read without its labels)
-    inputs = [OmegaConf.to_container(cfg, resolve=True)] + ([task] if task != "classification" else [])
-    parts, manifest = cache.cached_dataset(
-        cache.folder(outputs_dir, "splits"), inputs, build, MANIFEST, files
+    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, task)
+    inputs.append([tokenizer.name_or_path, len(tokenizer), vocab])
+    if files is not None and Path(tokenizer.name_or_path).is_dir():  # a local tokenizer: its files stamped
+        files = [*files, tokenizer.name_or_path]
+    parts, kept = cache.cached_dataset(
+        cache.folder(cfg.outputs_dir, "splits"), inputs, build, MANIFEST, files
     )
-    return Splits(
-        parts["train"], parts["eval"], manifest["label_names"], parts.get("val"), manifest["inputs"]
-    )
-
-
-def prepare(cfg: DictConfig) -> tuple[object, Splits]:
-    """The data stage: (the model's tokenizer, the splits it tokenized). The splits are read once per sweep
-    (read_splits), a short run's evaluation splits cut to a sample (sample), then tokenized (tokenize) to
-    train.max_length tokens and the model's vocabulary; their `inputs` say what was read, for MLflow."""
-    splits = read_splits(cfg.data, cfg.outputs_dir, cfg.task.name)
-    splits, said = sample(cfg, splits)
-    if said and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[job] {said}", flush=True)
-    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, cfg.task.name)
-    tokenized = tokenize(splits, tokenizer, cfg.train.max_length, vocab, cfg.task.name, cfg.train.packing)
-    return tokenizer, tokenized
+    if kept["said"] and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[job] {kept['said']}", flush=True)
+    names = kept["label_names"]
+    splits = Splits(parts["train"], parts["eval"], names, parts.get("val"), kept["inputs"], task)
+    return tokenizer, splits, PaddingCollator(tokenizer, cfg.train.padding, length, task)
 
 
 AUTO = "auto"  # eval.sample=auto: a short run evaluates on a sample, so that its evaluation does not cost
@@ -365,16 +362,13 @@ def tokenize(
         return enc
 
     # the fingerprint named here, from what the output depends on: `datasets` would otherwise hash the
-    # tokenizer through `encode` (about a second per job)
-    # (and the tokenizer's files, stamped once for every split: a cached result never outlives an edited or
-    # reinstalled tokenizer)
-    folder = tokenizer.name_or_path
-    stamp = json.dumps(cache.file_stamp(folder)) if Path(folder).is_dir() else ""
-    # a classification's fingerprint as it always was: its cached splits stay valid
+    # tokenizer through `encode` (about a second per job); the result is kept in memory, never in datasets'
+    # cache, where it would outlive an edited tokenizer (the data stage keeps it, its files stamped)
+    # (a classification's fingerprint as it always was)
     shape = "" if classify else f"|{task}|packing={packing}"
 
     def run(ds):
-        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{stamp}{shape}"
+        what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{shape}"
         fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
         return ds.map(
             encode,
@@ -383,6 +377,7 @@ def tokenize(
             # leaves out at most one block's tail per 1,000 texts)
             remove_columns=ds.column_names,
             desc="packing" if packing else "tokenizing",
+            keep_in_memory=True,
             new_fingerprint=fingerprint,
         )
 
@@ -416,6 +411,7 @@ class PaddingCollator:
     def __init__(self, tokenizer, padding: str, max_length: int, task: str = "classification"):
         from transformers import DataCollatorWithPadding
 
+        self.tokenizer, self.task = tokenizer, task
         self._pad = DataCollatorWithPadding(tokenizer, padding=padding, max_length=max_length)
         self.input_names = tuple(tokenizer.model_input_names)  # the tensors of a batch, besides the labels
         self.batches: list[tuple[int, int]] = []  # (non-padding tokens, all tokens) per batch
@@ -428,6 +424,11 @@ class PaddingCollator:
         if self.causal:  # the next-token labels: the input ids, padding left out of the loss (-100)
             batch["labels"] = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
         return batch
+
+    def padded(self, padding: str, max_length: int) -> PaddingCollator:
+        """A collator of the same tokenizer and task that pads as `padding` and `max_length` say (with no
+        batches recorded yet)."""
+        return PaddingCollator(self.tokenizer, padding, max_length, self.task)
 
     def token_counts(self, steps: int) -> tuple[int, int]:
         """(real tokens, all tokens) of the first `steps` batches."""

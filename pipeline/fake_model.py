@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from typing import NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -16,6 +17,19 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _stack(model) -> torch.nn.ModuleList | None:
+    """The model's stack of layers: the module list as long as `config.num_hidden_layers`, all of one class."""
+    depth = model.config.num_hidden_layers
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) == depth
+            and len({type(m) for m in module}) == 1
+        ):
+            return module
+    return None
 
 
 @functools.lru_cache(maxsize=8)
@@ -172,3 +186,22 @@ def fake_model(
     attn = getattr(model_config, "_attn_implementation", None)
     config_json = model_config.to_json_string(use_diff=False)
     return _fake_model(config_json, attn, precision, checkpointing, task, peft)
+
+
+class FakeJob(NamedTuple):
+    """The fake model of a job (`job_model`): its adapters' settings as a key (peft_settings), the fake mode
+    and model at the job's depth, and `build(config)`: (mode, model) of another depth of it, built alike."""
+
+    peft: str | None
+    mode: object
+    model: object
+    build: object
+
+
+def job_model(model_config, cfg) -> FakeJob:
+    """The job's model on fake tensors as `cfg` trains it: its precision, checkpointing, task and adapters."""
+    peft = peft_settings(cfg)
+    checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
+    settings = {"precision": cfg.train.precision, "checkpointing": checkpointing, "task": cfg.task.name}
+    build = functools.partial(fake_model, **settings, peft=peft)
+    return FakeJob(peft, *build(model_config), build)

@@ -29,8 +29,8 @@ def load(cfg: DictConfig):
     """The data and model stages: (tokenizer, tokenized splits, model)."""
     from pipeline import data, models
 
-    tokenizer, splits = data.prepare(cfg)
-    return tokenizer, splits, models.build(cfg, splits.label_names, tokenizer.pad_token_id)
+    tokenizer, splits, _ = data.prepare(cfg)
+    return tokenizer, splits, models.build(cfg, splits.label_names, tokenizer.pad_token_id).model
 
 
 def run(cfg: DictConfig, job_dir: Path) -> dict:
@@ -40,20 +40,21 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
     import torch
     import transformers
 
-    from pipeline import backends, measurements, optimizers
+    from pipeline import backends, data, measurements, models, optimizers
 
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ValueError(
             "train.precision=fp16 needs a CUDA device and torch sees none: use bf16 or fp32 here"
         )
     transformers.set_seed(cfg.seed)
-    tokenizer, splits, model = load(cfg)
+    tokenizer, splits, collate = data.prepare(cfg)
+    built = models.build(cfg, splits.label_names, tokenizer.pad_token_id)
     # the optimizer asked of the registry once: its entry, the Trainer's optim= string, the estimate's variant
     choice = optimizers.choose(cfg)
-    trained = backends.run(cfg, choice.spec, model, tokenizer, splits, job_dir)
-    result = measurements.measure(cfg, choice, model, splits, trained, job_dir)
+    trained = backends.run(cfg, choice.spec, built.model, splits, collate, job_dir)
+    result = measurements.measure(cfg, choice, built, splits, trained)
     if trained.output is not None and cfg.peft.get("save_adapter") and int(os.environ.get("RANK", "0")) == 0:
-        model.save_pretrained(job_dir / ADAPTER_DIR)  # the adapters and the head: what peft saves
+        built.model.save_pretrained(job_dir / ADAPTER_DIR)  # the adapters and the head: what peft saves
     return {**result, "datasets": splits.inputs}  # the runner logs them as the run's dataset inputs
 
 

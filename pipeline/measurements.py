@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
-from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -17,16 +15,12 @@ from omegaconf import OmegaConf
 from pipeline import (
     LABELS_IGNORED,
     StateSize,
-    adapters,
     cache,
     cuda_reductions,
-    distributed,
-    models,
     optimizers,
 )
+from pipeline.adapters import ModelFlops
 from pipeline.memory import peak_rss_mb
-from pipeline.state import optimizer_state_size, paged_state_size
-from pipeline.timing import StepTimer, peak_flops
 
 
 def library_versions() -> dict[str, str]:
@@ -52,12 +46,6 @@ def job_tags(spec, device: str) -> dict[str, str]:
 HARDLY_LEARNED = 0.8
 
 
-def warmup_steps(cfg) -> int:
-    """Steps left out of the steady-state figures: step 1 (first calls, torch.compile, cuBLAS set-up), step 2
-    (the memory breakdown) and the steps the CPU tensor tracker slows (`memory_track_steps`)."""
-    return max(2, cfg.memory_track_steps or 1)
-
-
 def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     """The analytic state size of what this rank holds: every trainable parameter's, or under ZeRO-1 those of
     the parameters it owns; None under FSDP, where the parameters are flattened shards."""
@@ -71,60 +59,25 @@ def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     return choice.spec.estimate(infos, cfg, choice.variant, model.config)
 
 
-class ModelFlops(NamedTuple):
-    """What a training token costs (flops_per_token): N, L x H x Q, and the trained part of N."""
-
-    non_embedding: int  # N: every parameter but the embedding tables' (looked up, not multiplied)
-    attention: int  # L x H x Q: layers x query heads x head size
-    trained: int  # the part of N that trains: all of it in full fine-tuning, adapters (and a head) with peft
-
-
-def model_flops(model) -> ModelFlops:
-    """What a training token costs, by the usual definition (Kaplan et al. 2020, eq. 2.2; PaLM, Chowdhery et
-    al. 2022, appendix B; nanoGPT's `estimate_mfu`), counted as the step does it: (N, L x H x Q, N trained) for
-    FLOPs per token = 4 N + 2 N_trained + 12 L H Q T (flops_per_token). N: the non-embedding parameters (every
-    parameter but those of the embedding tables, which a token looks up rather than multiplies: word, position
-    and token-type embeddings); 2 FLOPs per parameter forward, 2 backward for the activations' gradients, 2 more
-    for the weights' gradients of those that train, so 6 N in full fine-tuning and 4 N + 2 N_trained over a
-    frozen base (adapters); L H Q: layers x query heads x head size, 12 L H Q T: the attention scores and their
-    weighted sum (QK^T and AV, 2 x 2 x T x H Q FLOPs a token and layer forward, x3 with backward) over T
-    positions."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    distinct = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in embeddings]
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelFlops(
-        sum(adapters.weights(p) for p in distinct),
-        config.num_hidden_layers * heads * head_dim,
-        sum(adapters.weights(p) for p in distinct if p.requires_grad),
-    )
-
-
-def model_size(model) -> tuple[int, ModelFlops]:
-    """(parameters, model_flops) of the whole model; a backend counts them before any wrapper (FSDP) shards
-    it, after which each rank's parameters hold its shard only (TrainOutput.num_params, .flops). A 4-bit weight
-    (peft=qlora) counts the weights it holds, two a byte."""
-    return sum(adapters.weights(p) for p in model.parameters()), model_flops(model)
-
-
 def flops_per_token(flops: ModelFlops, positions: float) -> float:
     """4 N + 2 N_trained + 12 L H Q T (model_flops) at T = `positions`, the mean padded sequence length: 6 N +
     12 L H Q T in full fine-tuning."""
     return 4 * flops.non_embedding + 2 * flops.trained + 12 * flops.attention * positions
 
 
-def throughput(cfg, window, warmup_s, runtime_s: float, ranks: list[dict], flops: ModelFlops, peak) -> tuple:
-    """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (`window`: StepTimer.window's,
-    after the warm-up, which took `warmup_s`), or the whole loop's figures when too few steps ran for a steady
-    window (None). `flops`: model_flops'; `peak`: the device's peak FLOP/s and its source (timing.peak_flops)."""
-    world, warmup = len(ranks), warmup_steps(cfg)
+def throughput(cfg, steady: dict, runtime_s: float, ranks: list[dict], flops: ModelFlops, peak) -> tuple:
+    """(metrics, tags) of speed: samples/s, tokens/s and MFU over the steady steps (`steady`: StepTimer.figures'
+    window after the warm-up, and the warm-up's seconds), or the whole loop's figures when too few steps ran for a
+    steady window. `ranks`: each rank's tokens (`tokens`, `padded_tokens`, and in the window `window_tokens`,
+    `window_padded_tokens`); `flops`: pipeline.adapters.model_flops'; `peak`: the device's peak FLOP/s and its source
+    (timing.peak_flops)."""
+    world, warmup, window = len(ranks), steady["warmup"], steady["window"]
     metrics = {"train_runtime_s": runtime_s}
     if window is not None:
         first, last, seconds = window
         steps, tokens = last - first + 1, sum(r["window_tokens"] for r in ranks)
         padded = sum(r.get("window_padded_tokens", 0) for r in ranks)
-        metrics["train_warmup_s"] = warmup_s
+        metrics["train_warmup_s"] = steady["warmup_s"]
         basis = f"steps {first}-{last} (after {warmup} warm-up steps)"
     else:
         steps, tokens, seconds = cfg.train.max_steps, sum(r["tokens"] for r in ranks), runtime_s
@@ -142,35 +95,51 @@ def throughput(cfg, window, warmup_s, runtime_s: float, ranks: list[dict], flops
     return metrics, {"mfu_peak": peak_source, "throughput_steps": basis}
 
 
-def prediction(cfg, spec, model, names, ranks: list[dict], measured: list[float]) -> dict:
-    """The peak the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks:
-    what each rank of several holds) for each rank's largest batch, beside the measured one; on CUDA a paged
-    optimizer's paged state is left out of both. Not under FSDP, nor for an optimizer that updates inside the
-    backward pass (the plan steps once over all gradients). With adapters (peft=lora / qlora) the plan
-    simulates the same adapters on the same (4-bit) base."""
-    if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
-        return {}
-    if spec.in_backward and not cfg.train.get("optimizer_in_backward"):  # (LOMO's, the layer-wise ones)
-        return {"prediction_method": "none: the optimizer updates inside the backward pass"}
+def prediction(cfg, spec, built, splits, trained) -> dict:
+    """What the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks: what
+    each rank of several holds) beside what was measured. A training run's: the peak for each rank's largest
+    batch; on CUDA a paged optimizer's paged state is left out of both; not under FSDP, nor for an optimizer
+    that updates inside the backward pass (the plan steps once over all gradients). With adapters (peft=lora /
+    qlora) the plan simulates the same adapters on the same (4-bit) base. A batch search's: the largest batch
+    whose worst case (every text train.max_length tokens) fits the memory budget."""
+    model, names = built.model, trained.collate.input_names
     cuda = next(model.parameters()).device.type == "cuda"
+    if trained.output is None:  # a batch search's worst case, on the device it searched
+        if cfg.memory_budget_mb is None:
+            return {}
+        ranks, shapes, budget = [], [(1, cfg.train.max_length)], cfg.memory_budget_mb
+    else:
+        ranks, budget = trained.ranks.records, None
+        if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
+            return {}
+        if spec.in_backward and not cfg.train.get("optimizer_in_backward"):  # (LOMO's, the layer-wise ones)
+            return {"prediction_method": "none: the optimizer updates inside the backward pass"}
+        # each rank's largest batch; one rank's largest batch before the optimizer made its state (dynamic
+        # padding) beside the largest one measured with the state in place
+        shapes = [tuple(r["largest_batch"]) for r in ranks]
+        if len(ranks) == 1 and ranks[0].get("largest_before_state"):
+            shapes.append(tuple(ranks[0].get("largest_with_state", ())))
+    found = {
+        shape: simulated_step(cfg, spec, model.config, shape, cuda, names, max(1, len(ranks)), budget)
+        for shape in shapes
+        if len(shape) == 2
+    }
+    if not ranks:
+        return {"predicted_max_batch_size": min(found[shapes[0]]["largest_batch"], len(splits.train))}
     out = {}
     for rank, record in enumerate(ranks):
-        figures = simulated_step(
-            cfg, spec, model.config, tuple(record["largest_batch"]), cuda, names, len(ranks)
-        )
+        figures = found[tuple(record["largest_batch"])]
         peaks = figures["rank_peaks"]
         peak = peaks[min(rank, len(peaks) - 1)]  # ZeRO-1's ranks differ, the others' are alike
-        if record.get("largest_before_state") and len(ranks) == 1 and "peak_before_state" in figures:
-            # the largest batch came first, before the optimizer made its state (dynamic padding): the peak is
-            # that step's (its pass without the state, or its optimizer step making it) or that of the largest
-            # batch measured with the state in place, whichever is higher
+        if len(shapes) > len(ranks) and "peak_before_state" in figures:
+            # the largest batch came first, before the optimizer made its state: the peak is that step's (its
+            # pass without the state, or its optimizer step making it) or that of the largest batch measured
+            # with the state in place, whichever is higher
             peak = figures["peak_before_state"]
-            later = tuple(record.get("largest_with_state", ()))
-            if len(later) == 2:
-                with_state = simulated_step(cfg, spec, model.config, later, cuda, names, 1)
-                if with_state["rank_peaks"][0] > peak:
-                    figures, peak = with_state, with_state["rank_peaks"][0]
-        error = 100 * (peak / measured[rank] - 1)
+            with_state = found.get(shapes[-1])
+            if with_state is not None and with_state["rank_peaks"][0] > peak:
+                figures, peak = with_state, with_state["rank_peaks"][0]
+        error = 100 * (peak / record["peak_memory_mb"] - 1)
         if rank == 0:
             out |= {
                 "predicted_peak_mb": peak,
@@ -261,33 +230,32 @@ def simulated_step(
     return store.get(["step", *inputs], figures)
 
 
-def measure(cfg, choice, model, splits, trained, job_dir: Path) -> dict:
-    """The measure stage: the record of what the train stage did (pipeline.backends.Trained), with the plan's
-    prediction beside what was measured: a training run's (training_result) or a batch search's
-    (search_result)."""
+def measure(cfg, choice, built, splits, trained) -> dict:
+    """The measure stage: the record of what the train stage did (pipeline.backends.Trained) on the model stage's
+    model (pipeline.models.Built), a training run's (training_result) or a batch search's (search_result), then
+    the plan's prediction beside what was measured (prediction) and the process's peak RSS, read last (the
+    plan's simulation in it)."""
     if trained.output is None:
-        return search_result(cfg, choice, model, splits, trained)
-    return training_result(
-        cfg, choice, model, splits, trained.collate, trained.output, trained.timer, job_dir
-    )
+        record = search_result(cfg, choice, built, splits, trained)
+    else:
+        record = training_result(cfg, choice, built, splits, trained)
+    try:
+        predicted = prediction(cfg, choice.spec, built, splits, trained)
+    except optimizers.MetaStepFailed:  # optim=custom whose step cannot run on fake tensors: no plan of it
+        predicted = {}
+    if "prediction_method" in predicted:  # a tag, not a metric
+        record["tags"]["prediction_method"] = predicted.pop("prediction_method")
+    record["metrics"] |= {**predicted, "peak_rss_mb": peak_rss_mb()}
+    return record
 
 
-def search_result(cfg, choice, model, splits, trained) -> dict:
+def search_result(cfg, choice, built, splits, trained) -> dict:
     """The record of a find_batch_size job: the largest batch that fits the memory budget (measured by the
     probes, pipeline.batch_size), beside the largest one the plan predicts for the same worst case (every text
     train.max_length tokens); `choice`: the registry's answer for the job (`pipeline.optimizers.choose`)."""
-    spec, budget, best, fitting = choice.spec, cfg.memory_budget_mb, trained.largest, trained.probes
-    metrics = {
-        "max_batch_size": best,
-        "model_num_params": sum(adapters.weights(p) for p in model.parameters()),
-    }
-    if budget is not None:
-        cuda = torch.cuda.is_available()
-        shape = (1, cfg.train.max_length)
-        figures = simulated_step(
-            cfg, spec, model.config, shape, cuda, trained.collate.input_names, budget=budget
-        )
-        metrics["predicted_max_batch_size"] = min(figures["largest_batch"], len(splits.train))
+    spec, best, fitting = choice.spec, trained.largest, trained.probes
+    model = built.model
+    metrics = {"max_batch_size": best, "model_num_params": built.num_params}
     if best:
         at_best = fitting[best]
         state = at_best.pop("state")
@@ -313,60 +281,47 @@ def search_result(cfg, choice, model, splits, trained) -> dict:
     }
 
 
-def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, job_dir: Path) -> dict:
-    """The record of a training job (rank 0's is the one the runner logs; every rank takes part); `choice`:
-    the registry's answer for the job (`pipeline.optimizers.choose`)."""
-    spec = choice.spec
-    warmup = warmup_steps(cfg)
+def rank_tokens(records: list[dict], window: tuple | None) -> list[dict]:
+    """Each rank's tokens from its batches' (real, padded) counts: in all (`tokens`, `padded_tokens`) and in the
+    steady `window` of steps (`window_tokens`, `window_padded_tokens`; none without a window)."""
+    counted = []
+    for record in records:
+        steady = record["batches"][window[0] - 1 : window[1]] if window else []
+        counted.append(
+            {
+                "tokens": sum(real for real, _ in record["batches"]),
+                "padded_tokens": sum(padded for _, padded in record["batches"]),
+                "window_tokens": sum(real for real, _ in steady),
+                "window_padded_tokens": sum(padded for _, padded in steady),
+            }
+        )
+    return counted
+
+
+def training_result(cfg, choice, built, splits, trained) -> dict:
+    """The record of a training job (rank 0's is the one the runner logs): what the train stage measured
+    (pipeline.backends.Trained) beside the plan's prediction; `choice`: the registry's answer for the job
+    (`pipeline.optimizers.choose`); `built`: the model stage's (pipeline.models.Built)."""
+    spec, model, out, ranks, steady = choice.spec, built.model, trained.output, trained.ranks, trained.steady
+    state, paged = trained.state, trained.paged
     tags = job_tags(spec, out.device)
     try:
         estimate, estimate_na = state_estimate(cfg, choice, model, out.optimizer), None
     except optimizers.MetaStepFailed as err:  # optim=custom whose step cannot run on meta tensors
         estimate, estimate_na = None, f"n/a: {err}"
-    # the whole model's size, as the backend counted it before training (FSDP leaves the model sharded)
-    num_params, flops = (out.num_params, out.flops) if out.num_params is not None else model_size(model)
-    # what this rank measured, read once from what holds it: the optimizer's state and the peaks (memory), the
-    # steps' times (timing), the batches' tokens and the splits (data), the optimizer's settings and estimate
-    state, paged = optimizer_state_size(out.optimizer), paged_state_size(out.optimizer)
+    # the whole model's size, as the model stage counted it before training (FSDP leaves the model sharded)
+    num_params, flops = built.num_params, built.flops
     memory, breakdown = out.peak.metrics(), out.peak.breakdown_tag
-    window, step_ms, train_step_ms = timer.window(warmup), timer.median_ms, timer.train_step_ms(skip=warmup)
-    steps_skipped = timer.steps - len(timer.times_s)
-    warmup_s = timer.starts_s[warmup] - timer.starts_s[0] if window else None
-    peak = peak_flops(out.device, cfg.train.precision, cache.root(cfg.outputs_dir))
-    tokens, padded_tokens = collate.token_counts(cfg.train.max_steps)
     num_labels, labels_param = splits.num_labels, splits.labels_param
-    steady = collate.batches[window[0] - 1 : window[1]] if window else []
-    window_tokens, window_padded = sum(r for r, _ in steady), sum(p for _, p in steady)
     settings = optimizers.built_settings(out.optimizer)
-    # every rank's, on every rank
-    ranks = distributed.gather(
-        cfg,
-        model,
-        {
-            "optimizer_state_bytes": state.bytes,
-            "peak_memory_mb": memory["peak_memory_mb"],
-            "tokens": tokens,
-            "padded_tokens": padded_tokens,
-            "window_tokens": window_tokens,
-            "window_padded_tokens": window_padded,
-            "largest_batch": list(out.peak.largest_batch),
-            "largest_before_state": out.peak.largest_before_state,
-            "largest_with_state": list(out.peak.largest_with_state),
-        },
-        job_dir,
-    )
+    counted = rank_tokens(ranks.records, steady["window"])
     # (the loop's time less the validation passes inside it: eval.every_steps)
-    runtime = out.train_runtime_s - timer.paused_s
-    speed, speed_tags = throughput(cfg, window, warmup_s, runtime, ranks.records, flops, peak)
+    runtime = out.train_runtime_s - steady["paused_s"]
+    speed, speed_tags = throughput(cfg, steady, runtime, counted, flops, trained.peak_flops)
     on_cuda = out.device.startswith("cuda")
-    if estimate is not None:
-        measured = [r["peak_memory_mb"] for r in ranks.records]
-        memory.update(prediction(cfg, spec, model, collate.input_names, ranks.records, measured))
-    method = memory.pop("prediction_method", None)  # a tag, not a metric
-    peft_metrics, peft_params = adapters.figures(cfg, model)
-    if peft_metrics and "peak_params_mb" in memory:  # the weights at the peak less the trainable ones
-        memory["peak_frozen_params_mb"] = memory["peak_params_mb"] - peft_metrics["trainable_weights_mb"]
-    tokens = sum(r["tokens"] for r in ranks.records)
+    if built.metrics and "peak_params_mb" in memory:  # the weights at the peak less the trainable ones
+        memory["peak_frozen_params_mb"] = memory["peak_params_mb"] - built.metrics["trainable_weights_mb"]
+    tokens = sum(r["tokens"] for r in counted)
     metrics = {
         "model_num_params": num_params,
         "model_num_nonembedding_params": flops[0],
@@ -376,17 +331,16 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         "optimizer_state_bytes_per_param": state.bytes / num_params,
         **({} if estimate is None else {"estimated_optimizer_state_mb": estimate.mb}),
         **({"paged_state_mb": paged.mb} if spec.name.startswith("paged") else {}),
-        **({} if step_ms is None else {"optimizer_step_ms": step_ms}),
-        "optimizer_steps_skipped": steps_skipped,
-        **({} if train_step_ms is None else {"train_step_ms": train_step_ms}),
+        **({} if steady["step_ms"] is None else {"optimizer_step_ms": steady["step_ms"]}),
+        "optimizer_steps_skipped": steady["steps_skipped"],
+        **({} if steady["train_step_ms"] is None else {"train_step_ms": steady["train_step_ms"]}),
         **memory,
-        **peft_metrics,
-        "peak_rss_mb": peak_rss_mb(),  # (read last: the process's high-water mark, the plan's simulation in it)
+        **built.metrics,
         "train_loss_final": out.losses[-1],
         **speed,
         **({"eval_runtime_s": out.eval_runtime_s} if out.eval_metrics or out.val_metrics else {}),
         "train_tokens": tokens,
-        "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in ranks.records),
+        "padding_fraction": 1 - tokens / sum(r["padded_tokens"] for r in counted),
         **{f"eval_{k}": v for k, v in out.eval_metrics.items()},
         **{f"val_{k}": v for k, v in out.val_metrics.items()},
         **ranks.metrics,
@@ -399,10 +353,8 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
         tags["labels"] = LABELS_IGNORED
         # how far the loss is from a uniform guess over the vocabulary (ln V nats): a model near it hardly learned
         loss = metrics.get("eval_loss", metrics["train_loss_final"])
-        metrics["loss_vs_uniform"] = loss / math.log(models.vocab_size(model))
+        metrics["loss_vs_uniform"] = loss / math.log(built.vocab)
         tags["hardly_learned"] = str(metrics["loss_vs_uniform"] >= HARDLY_LEARNED).lower()
-    if method:
-        tags["prediction_method"] = method
     if spec.name == "custom":  # how its estimate was found (there is no analytic model of it)
         tags["state_estimate"] = estimate_na or "meta-device step (pipeline.optimizers.meta_estimate)"
     if cfg.backend.name == "trainer":  # the Trainer's own optim= path, or the registry's object
@@ -434,8 +386,7 @@ def training_result(cfg, choice, model, splits, collate, out, timer: StepTimer, 
             "optim_variant": choice.variant or "plain",
             "optim_settings": settings,
             "largest_batch": "x".join(map(str, out.peak.largest_batch)),
-            **adapters.held_dtypes(model),  # what trained: trainable_dtype, and a frozen base's base_dtype
-            **peft_params,
+            **built.params,  # what trained: trainable_dtype, a frozen base's base_dtype, the adapters' targets
         },
         "tags": tags,
     }

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -96,7 +97,7 @@ def tokenizer_and_vocabulary(model_cfg: DictConfig, task: str = "classification"
     return load_tokenizer(model_cfg), model_config(model_cfg, 1, None, task).vocab_size
 
 
-def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
+def build(cfg: DictConfig, label_names: list[str], pad_token_id: int) -> Built:
     """The model stage: the model a job trains (load_model) over the splits' classes, where it trains (the GPU
     of this rank, else the CPU: random weights are made there, qlora's 4-bit base is quantized there), in its
     dtypes, with its adapters (pipeline.adapters) where peft is set. bf16_pure: bf16 weights, no fp32 master copy
@@ -117,11 +118,25 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int):
     chunk_the_loss(model, cfg.train.get("loss_chunks", 0))
     if dtype is not None:  # pretrained weights come in their checkpoint's dtype
         model.to(dtype)
+    vocab = vocab_size(model)
     if with_adapters:  # adapters on the frozen base
         model = adapters.apply(
             model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
         )
-    return model
+    return Built(model, *adapters.figures(cfg, model), vocab, *adapters.model_size(model))
+
+
+class Built(NamedTuple):
+    """The model stage's answer: the model, and what it is as the job's record says it, read before any
+    wrapper shards it (metrics: with adapters their figures, pipeline.adapters.figures; params: the dtypes it
+    holds and the adapters' targets; its vocabulary, its size)."""
+
+    model: object
+    metrics: dict
+    params: dict
+    vocab: int  # the token ids its embeddings hold
+    num_params: int  # its weights (adapters.model_size)
+    flops: object  # what a training token costs (adapters.ModelFlops)
 
 
 # the settings of a config whose LM head's output is scaled or capped before the loss (Cohere, Gemma 2)

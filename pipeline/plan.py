@@ -37,12 +37,14 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import MB, cuda_reductions, learning_rate
+from pipeline import MB, cuda_reductions
 from pipeline.cuda_kernels import cuda_kernels
 from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
 # the fake model the step runs on (and the names callers reach it by here)
-from pipeline.fake_model import _fake_model, fake_mode, fake_model, peft_settings  # noqa: F401
+from pipeline.fake_model import _fake_model, _stack, fake_mode, fake_model, job_model, peft_settings  # noqa: F401
+from pipeline.memory import KINDS
+from pipeline.plan_ranks import MAX_BATCH
 
 # CUDA targets: what the allocator holds that no tensor does: one cuBLAS workspace per handle (forward, autograd's
 # backward thread; measured on an H200: 2 x 33 MiB), as torch's CublasHandlePool.cpp sizes them: 32 MiB on sm_90,
@@ -69,8 +71,7 @@ DEVICE_MEMORY_GB = {
 }
 # the parts of a peak, in the order of the plan's traces (pipeline.memory.KINDS): `logits` is a language model's
 # (a classifier's is always 0 and never reported)
-PART_KEYS = ("params", "grads", "optimizer", "activations", "logits", "other")
-MAX_BATCH = 2**20  # the largest batch a plan reports
+PART_KEYS = KINDS  # a step's parts, in KindPeak's order
 
 
 def cublas_workspaces_mb(device_memory: str | None) -> float:
@@ -183,19 +184,6 @@ class Profile:
         if not grows.any():
             return MAX_BATCH
         return min(MAX_BATCH, math.floor(((room - base[grows]) / slope[grows]).min() + 1e-9))
-
-
-def _stack(model) -> torch.nn.ModuleList | None:
-    """The model's stack of layers: the module list as long as `config.num_hidden_layers`, all of one class."""
-    depth = model.config.num_hidden_layers
-    for module in model.modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and len(module) == depth
-            and len({type(m) for m in module}) == 1
-        ):
-            return module
-    return None
 
 
 def _shallow(model_config, layers: int):
@@ -416,17 +404,16 @@ def _stepped_in_backward(mode, model, spec, cfg, cuda: bool) -> tuple[list, dict
 
 def optimizer_step(
     model_config,
-    precision,
-    checkpointing,
+    build,
     spec,
     cfg,
     cuda: bool,
     task: str = "classification",
-    peft=None,
     grid: tuple[int, int] = UPPER_GRID,
 ) -> tuple[dict | None, str]:
     """Parts (MB) at the peak of two optimizer steps (the first creates the state) with every gradient in
-    place, and how they were found; None when the step cannot run on fake tensors. For a CUDA target, its
+    place, of the fake model `build(config)` makes (pipeline.fake_model.FakeJob's), and how they were found;
+    None when the step cannot run on fake tensors. For a CUDA target, its
     reductions' buffers are those of a GPU of `grid` (pipeline.cuda_reductions). A deep model's is
     extrapolated from SHALLOW's depths: weights, gradients and state grow by a fixed amount per layer, and the
     step's temporaries, those of the largest tensor or of all of them at once (`foreach`), by none or by that
@@ -435,25 +422,21 @@ def optimizer_step(
     # mark it never to be compiled again in this process, where find_batch_size=true then trains
     if spec.compiles_step:
         return None, "forward/backward simulated; optimizer step analytic (compiled step)"
-    settings = (precision, checkpointing, spec, cfg, cuda, task, peft, grid)
     try:
         shallow = _shallow_pair(model_config, task)
         if shallow is None:
-            at_peak = _optimizer_step(model_config, *settings)
+            at_peak = _optimizer_step(*build(model_config), spec, cfg, cuda, grid)
         else:
-            a, b = (_optimizer_step(c, *settings) for c in shallow)
+            a, b = (_optimizer_step(*build(c), spec, cfg, cuda, grid) for c in shallow)
             at_peak = _to_depth(a, b, model_config.num_hidden_layers)
         return dict(zip(PART_KEYS, (at_peak / MB).tolist(), strict=True)), "simulated"
     except Exception as err:  # a kernel that needs real data (bitsandbytes)
         return None, f"forward/backward simulated; optimizer step analytic ({type(err).__name__})"
 
 
-def _optimizer_step(
-    model_config, precision, checkpointing, spec, cfg, cuda: bool, task: str, peft: str | None, grid
-) -> np.ndarray:
+def _optimizer_step(mode, model, spec, cfg, cuda: bool, grid) -> np.ndarray:
     from pipeline.memory import KindPeak
 
-    mode, model = fake_model(model_config, precision, checkpointing, task, peft)
     with mode:
         for p in model.parameters():
             if p.requires_grad:
@@ -527,17 +510,20 @@ def simulate(
     unmasked = unmasked_rows(cfg, model_config)
     in_backward = bool(cfg.train.get("optimizer_in_backward"))  # its step inside the pass, one per weight
     base = optimizers.spec_for(cfg.optim) if in_backward else None  # (`spec` then steps inside backward)
-    peft = peft_settings(cfg)  # the adapters (peft=lora / qlora), None for full fine-tuning
-    _, model = fake_model(model_config, precision, checkpointing, task, peft)
+    # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
+    rate = [cfg.train.lr, cfg.train.get("lr_scale", 1.0)]  # (the peak learning rate they make)
+    settings = json.dumps(
+        [spec.name, OmegaConf.to_container(cfg.optim), *rate, cfg.train.weight_decay]
+        + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
+    )
+    job = job_model(
+        model_config, cfg
+    )  # with its adapters' settings (peft=lora / qlora; None: full fine-tuning)
+    peft, model = job.peft, job.model
     vocab = logits_width(model)
     params = optimizers.param_infos(model)
     whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
     state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
-    # the optimizer step does not depend on the batch: a sweep over batch sizes simulates it once
-    settings = json.dumps(
-        [spec.name, OmegaConf.to_container(cfg.optim), learning_rate(cfg), cfg.train.weight_decay]
-        + [optimizers.source_stamp(cfg)]  # a class of one's own: its file as it is now
-    )
     args = (store, cuda, task, peft, unmasked, (base, cfg, settings) if in_backward else None)
     steps = profile(model_config, precision, checkpointing, seq, names, *args)
     fb = reported(steps.parts(batch), vocab)
@@ -556,10 +542,7 @@ def simulate(
         if key not in _OPTIMIZER_STEP:
 
             def step() -> list:
-                found = optimizer_step(
-                    model_config, precision, checkpointing, spec, cfg, cuda, task, peft, grid
-                )
-                return list(found)
+                return list(optimizer_step(model_config, job.build, spec, cfg, cuda, task, grid))
 
             _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
         step, method = _OPTIMIZER_STEP[key]

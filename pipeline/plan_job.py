@@ -157,7 +157,7 @@ def plan_result(cfg) -> dict:
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
     prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
     model = prediction["model"]
-    # as a job counts them (measurements.model_size): a 4-bit weight (peft=qlora) the weights it packs
+    # as a job counts them (adapters.model_size): a 4-bit weight (peft=qlora) the weights it packs
     num_params = sum(adapters.weights(p) for p in model.parameters())
     metrics = {
         "model_num_params": num_params,

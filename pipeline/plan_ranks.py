@@ -32,7 +32,10 @@ import math
 import numpy as np
 
 from pipeline import MB, adapters
-from pipeline.plan import MAX_BATCH, PART_KEYS, _stack, fake_mode
+from pipeline.fake_model import _stack, fake_mode
+from pipeline.memory import KINDS
+
+MAX_BATCH = 2**20  # the largest batch a plan reports
 
 SOURCES = {
     "none": "DDP: torch DistributedDataParallel (accelerate)",
@@ -43,7 +46,7 @@ SOURCES = {
 # the numbers of ranks the smallest-N search tries: one 8-GPU node's 1..8, then whole nodes
 MAX_RANKS = 4096
 CANDIDATE_RANKS = (*range(1, 9), *range(16, MAX_RANKS + 1, 8))
-PARTS = PART_KEYS  # a language model's `logits` among them: a rank's own, as its activations
+PARTS = KINDS  # a language model's `logits` among them: a rank's own, as its activations
 # NCCL's buffers on each GPU of a job over several ranks, allocated by NCCL itself (outside torch's caching
 # allocator): stated, not measured here. NCCL_BUFFSIZE is 4 MiB per channel, per peer and per protocol (NCCL's
 # default); with the channels and peers of a node's rings and trees a total of 0.5-1 GB per GPU is commonly
@@ -255,7 +258,7 @@ def peak(prediction, layout, sharding, world, batch, extra_mb) -> float:
 
 def largest_batch(prediction, layout, sharding: str, world: int, budget: float, extra_mb: float) -> int:
     """The largest batch per rank whose largest rank's peak fits `budget` MB (0 when none does, at most
-    pipeline.plan.MAX_BATCH): doubling, then bisection, on the profile (no further simulation)."""
+    MAX_BATCH): doubling, then bisection, on the profile (no further simulation)."""
 
     def fits(b: int) -> bool:
         return peak(prediction, layout, sharding, world, b, extra_mb) <= budget

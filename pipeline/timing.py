@@ -9,10 +9,17 @@ import platform
 import statistics
 import time
 from itertools import pairwise
-from pathlib import Path
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from pipeline import cache
+
+
+def warmup_steps(cfg) -> int:
+    """Steps left out of the steady-state figures: step 1 (first calls, torch.compile, cuBLAS set-up), step 2
+    (the memory breakdown) and the steps the CPU tensor tracker slows (`memory_track_steps`)."""
+    return max(2, cfg.memory_track_steps or 1)
 
 
 class StepTimer:
@@ -118,6 +125,21 @@ class StepTimer:
         gaps = [b - a for a, b in pairwise(self.starts_s[skip:])]
         return statistics.median(gaps) * 1000 if gaps else None
 
+    def figures(self, skip: int) -> dict:
+        """What the throughput is read from, after `skip` warm-up steps (`warmup`): the steady `window`, the
+        warm-up's seconds, the median optimizer step and whole training step (ms), the optimizer steps that did
+        not run, and the evaluation time inside the loop (`paused_s`)."""
+        window = self.window(skip)
+        return {
+            "warmup": skip,
+            "window": window,
+            "warmup_s": self.starts_s[skip] - self.starts_s[0] if window else None,
+            "step_ms": self.median_ms,
+            "train_step_ms": self.train_step_ms(skip=skip),
+            "steps_skipped": self.steps - len(self.times_s),
+            "paused_s": self.paused_s,
+        }
+
     def window(self, skip: int) -> tuple[int, int, float] | None:
         """The steady steps after `skip` warm-up steps: (first, last) step (counted from 1) and their wall
         time, from the start of step skip + 1 to the start of the last step (whose own end is not marked, so
@@ -178,18 +200,19 @@ def cpu_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.5) ->
     return best
 
 
-def peak_flops(device: str, precision: str, cache_dir: Path) -> tuple[float | None, str]:
-    """(peak FLOP/s for this device and precision, where the figure comes from); None when unknown."""
+def peak_flops(device: str, precision: str, outputs_dir) -> tuple[float | None, str]:
+    """(peak FLOP/s for this device and precision, where the figure comes from); None when unknown. A CPU's
+    is measured once and kept in the cache folder (pipeline.cache.root)."""
     dtype = compute_dtype(precision)
     if device.startswith("cuda"):
         return gpu_peak_flops(torch.cuda.get_device_name(torch.device(device)), dtype)
     # CPU: measured once per machine, thread count and dtype, then cached (as for torch.compile)
     # (platform.processor() would fork `uname -p`: slow from a process this big, and no more precise)
     key = f"{platform.machine()}|cores={os.cpu_count()}|threads={torch.get_num_threads()}|{dtype}"
-    path = cache_dir / "cpu_peak_flops.json"
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if key not in cache:
-        cache[key] = cpu_matmul_flops(dtype)
+    path = cache.root(outputs_dir) / "cpu_peak_flops.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    if key not in kept:
+        kept[key] = cpu_matmul_flops(dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cache, indent=1))
-    return cache[key], "measured: best 1024x1024 matmul on this CPU"
+        path.write_text(json.dumps(kept, indent=1))
+    return kept[key], "measured: best 1024x1024 matmul on this CPU"

@@ -26,34 +26,42 @@ def own_cache(monkeypatch):
     monkeypatch.delenv("PIPELINE_CACHE_DIR", raising=False)
 
 
-def test_splits_are_read_once_and_read_again_when_their_file_changes(tmp_path):
+def test_splits_are_tokenized_once_and_made_again_when_their_file_changes(tmp_path):
     train, evaluation = tmp_path / "train.csv", tmp_path / "eval.csv"
     pd.DataFrame(ROWS).to_csv(train, index=False)
     pd.DataFrame(ROWS).iloc[:6].to_csv(evaluation, index=False)
-    cfg = compose_cfg("data=csv", f"data.train_file={train}", f"data.eval_file={evaluation}").data
-    fresh = data.load_splits(cfg)
-    first = data.read_splits(cfg, tmp_path)
-    again = data.read_splits(cfg, tmp_path)
+    files = (
+        "data=csv",
+        f"data.train_file={train}",
+        f"data.eval_file={evaluation}",
+        f"outputs_dir={tmp_path}",
+    )
+    cfg = compose_cfg(*files)
+    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model)
+    fresh = data.load_splits(cfg.data)
+    made = data.tokenize(fresh, tokenizer, cfg.train.max_length, vocab)
+    _, first, _ = data.prepare(cfg)
+    _, again, _ = data.prepare(cfg)
     cached = tmp_path / "cache" / "splits"
     assert len(entries(cached)) == 1
-    for split in ("train", "eval", "val"):  # as read, from the cache or not
+    for split in ("train", "eval", "val"):  # as tokenized here, from the cache or not
         assert (
             getattr(first, split).to_dict()
             == getattr(again, split).to_dict()
-            == getattr(fresh, split).to_dict()
+            == getattr(made, split).to_dict()
         )
     assert first.label_names == again.label_names == ["neg", "pos"]
-    assert again.inputs == data.dataset_inputs(fresh, cfg)
+    assert again.inputs == data.dataset_inputs(fresh, cfg.data)
     # an edited file (more rows) is another entry: the splits are read from it again
     pd.DataFrame({k: v * 2 for k, v in ROWS.items()}).to_csv(train, index=False)
     os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10**9))
-    edited = data.read_splits(cfg, tmp_path)
+    _, edited, _ = data.prepare(cfg)
     assert len(entries(cached)) == 2
     assert len(edited.train) + len(edited.val) == 80
-    # another config (a validation split of its own) is another entry too
-    data.read_splits(compose_cfg("data=csv", f"data.train_file={train}", f"data.eval_file={evaluation}",
-                                 "data.val_fraction=0.2").data, tmp_path)  # fmt: skip
-    assert len(entries(cached)) == 3
+    # another config (a validation split of its own, another length) is another entry too
+    data.prepare(compose_cfg(*files, "data.val_fraction=0.2"))
+    data.prepare(compose_cfg(*files, "train.max_length=8"))
+    assert len(entries(cached)) == 4
 
 
 def test_a_cached_dataset_is_built_once_and_read_back_as_built(tmp_path):

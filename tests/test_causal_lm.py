@@ -81,7 +81,7 @@ def test_packing_cuts_the_concatenated_texts_into_full_blocks():
     lengths = {len(ids) for ids in splits.train["input_ids"]}
     assert lengths == {32}
     # every token of the texts, in order, but the tail shorter than a block
-    raw = data.read_splits(cfg.data, cfg.outputs_dir).train
+    raw = data.load_splits(cfg.data).train
     ids = [i for text in raw["text"] for i in tokenizer(text)["input_ids"]]
     assert [i for block in splits.train["input_ids"] for i in block] == ids[: len(ids) // 32 * 32]
 

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from pipeline import MB, models
+from pipeline import MB, adapters, models
 from pipeline.memory import StepBreakdown, TrainingMemory, indexed
 from pipeline.state import optimizer_state_size, paged_state_size
-from pipeline.timing import StepTimer, peak_flops
+from pipeline.timing import StepTimer, peak_flops, warmup_steps
 from tests.conftest import TINY, cli_env, compose_cfg, run_cli, selects_gpu_tests, sweep_runs
 
 
@@ -121,7 +121,7 @@ def test_a_breakdown_step_whose_optimizer_step_is_skipped_says_so():
 
 
 def test_a_run_whose_every_step_is_skipped_is_measured_not_crashed(tmp_path):
-    from pipeline import data, measurements, optimizers
+    from pipeline import backends, data, measurements, optimizers
     from pipeline.backends import TrainOutput
 
     timer, memory = skipped_steps_loop(skip=set(range(1, 7)))
@@ -134,9 +134,12 @@ def test_a_run_whose_every_step_is_skipped_is_measured_not_crashed(tmp_path):
         collate([dict(tokenizer("a short review"), label=1), dict(tokenizer("and a longer one"), label=0)])
     out = TrainOutput(torch.optim.AdamW(tiny_model().parameters()), [0.7] * 6, {}, 1.5, memory, "cpu")
     splits = data.Splits(train=[0] * 64, eval=[0] * 32, label_names=["rotten", "fresh"])
-    result = measurements.training_result(
-        cfg, optimizers.choose(cfg), tiny_model(), splits, collate, out, timer, tmp_path
+    model = tiny_model()
+    trained = backends.measured(cfg, model, out, timer, collate, tmp_path)
+    built = models.Built(
+        model, *adapters.figures(cfg, model), models.vocab_size(model), *adapters.model_size(model)
     )
+    result = measurements.training_result(cfg, optimizers.choose(cfg), built, splits, trained)
     m = result["metrics"]
     assert m["optimizer_steps_skipped"] == 6 and "optimizer_step_ms" not in m
     assert m["optimizer_state_mb"] == 0
@@ -151,10 +154,12 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     timer = StepTimer(torch.nn.Linear(1, 1))
     timer.starts_s = [0.0, 5.0, 6.0, 7.0, 7.5, 8.0, 8.5, 9.0]  # a slow first steps (compilation, tracker)
     ranks = [{"tokens": 800, "window_tokens": 400, "padded_tokens": 1000, "window_padded_tokens": 480}]
-    flops = measurements.ModelFlops(10, 3, 10)  # N = 10 non-embedding parameters, all trained; L H Q = 3
-    assert measurements.warmup_steps(cfg) == 3
+    flops = adapters.ModelFlops(10, 3, 10)  # N = 10 non-embedding parameters, all trained; L H Q = 3
+    assert warmup_steps(cfg) == 3
     peak = peak_flops("cpu", cfg.train.precision, tmp_path)
-    metrics, tags = measurements.throughput(cfg, timer.window(3), 7.0, 9.5, ranks, flops, peak)
+    steady = timer.figures(3)
+    assert steady["window"] == (4, 7, 2.0) and steady["warmup_s"] == 7.0
+    metrics, tags = measurements.throughput(cfg, steady, 9.5, ranks, flops, peak)
     # steps 4-7: from the start of step 4 (7.0 s) to the start of step 8 (9.0 s)
     assert tags["throughput_steps"] == "steps 4-7 (after 3 warm-up steps)"
     assert metrics["train_samples_per_second"] == pytest.approx(4 * 4 / 2.0)
@@ -166,7 +171,7 @@ def test_throughput_is_taken_on_the_steady_steps(tmp_path):
     assert metrics["mfu"] == pytest.approx(flops_per_s / (metrics["device_peak_tflops"] * 1e12))
     timer.starts_s = timer.starts_s[:4]  # too few steps for a window: the whole loop
     assert timer.window(3) is None
-    metrics, tags = measurements.throughput(cfg, None, None, 9.5, ranks, flops, peak)
+    metrics, tags = measurements.throughput(cfg, timer.figures(3), 9.5, ranks, flops, peak)
     assert tags["throughput_steps"].startswith("steps 1-8 (the whole loop")
     assert metrics["train_samples_per_second"] == pytest.approx(8 * 4 / 9.5)
     assert "train_warmup_s" not in metrics

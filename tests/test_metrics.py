@@ -66,7 +66,8 @@ def bert_non_embedding(d: int, layers: int, ff: int, labels: int = 2) -> int:
 )
 def test_flops_per_token_is_6_non_embedding_params_plus_attention(model, non_embedding, attention):
     from pipeline import models
-    from pipeline.measurements import flops_per_token, model_flops
+    from pipeline.adapters import model_flops
+    from pipeline.measurements import flops_per_token
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(f"model={model}", "model.pretrained=false")
@@ -133,11 +134,10 @@ def test_model_size_is_the_whole_models_though_training_left_each_rank_a_shard(
     tmp_path, fresh_accelerate_state
 ):
     """FSDP (use_orig_params=True) leaves each rank's parameters holding its shard after `prepare()`: the job's
-    parameter count and FLOPs per token are those the backend counted before training."""
+    parameter count and FLOPs per token are those the model stage counted before training."""
     import torch
 
-    from pipeline import backends, data, job, measurements, optimizers
-    from pipeline.timing import StepTimer
+    from pipeline import adapters, backends, data, measurements, models, optimizers
     from tests.conftest import TINY, compose_cfg
 
     # every batch padded to 64 positions: T of FLOPs per token
@@ -148,20 +148,18 @@ def test_model_size_is_the_whole_models_though_training_left_each_rank_a_shard(
         f"outputs_dir={tmp_path}",
     ]
     cfg = compose_cfg(*TINY, *overrides)
-    tokenizer, splits, model = job.load(cfg)
-    whole, flops = sum(p.numel() for p in model.parameters()), measurements.model_flops(model)
-    collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
+    tokenizer, splits, collate = data.prepare(cfg)
+    built = models.build(cfg, splits.label_names, tokenizer.pad_token_id)
+    model = built.model
+    whole, flops = sum(p.numel() for p in model.parameters()), adapters.model_flops(model)
     choice = optimizers.choose(cfg)
-    with StepTimer(model) as timer:
-        out = backends.get("accelerator").train(
-            cfg, model, splits, choice.spec, collate, tmp_path, evaluate=False
-        )
+    trained = backends.run(cfg, choice.spec, model, splits, collate, tmp_path)
     # what FSDP leaves rank 0 of 2 holding: the first half of each parameter, flattened
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.flatten()[: (p.numel() + 1) // 2].clone()
     cfg.train.sharding = "fsdp"
-    m = measurements.training_result(cfg, choice, model, splits, collate, out, timer, tmp_path)["metrics"]
+    m = measurements.training_result(cfg, choice, built, splits, trained)["metrics"]
     assert m["model_num_params"] == whole
     assert m["model_num_nonembedding_params"] == flops[0]
     assert m["train_flops_per_token"] == measurements.flops_per_token(flops, 64)
@@ -180,7 +178,8 @@ def test_flops_per_token_counts_a_step_as_flop_counter_mode_does(peft):
     from torch.utils.flop_counter import FlopCounterMode
 
     from pipeline import adapters, models
-    from pipeline.measurements import flops_per_token, model_flops
+    from pipeline.adapters import model_flops
+    from pipeline.measurements import flops_per_token
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(

@@ -410,6 +410,10 @@ def test_under_bf16_the_trained_model_has_a_bf16_base_and_fp32_adapters_and_stat
 
 
 def measurements_params(cfg, choice, model, splits, collate, out, timer, job_dir) -> dict:
-    from pipeline import measurements
+    from pipeline import backends, measurements, models
 
-    return measurements.training_result(cfg, choice, model, splits, collate, out, timer, job_dir)["params"]
+    built = models.Built(
+        model, *adapters.figures(cfg, model), models.vocab_size(model), *adapters.model_size(model)
+    )
+    trained = backends.measured(cfg, model, out, timer, collate, job_dir)
+    return measurements.training_result(cfg, choice, built, splits, trained)["params"]

@@ -35,7 +35,7 @@ def test_a_short_run_evaluates_on_a_sample_and_is_a_point_of_its_own():
 
 def test_the_sample_is_each_splits_first_texts_and_its_line_names_it():
     cfg = compose_cfg("train.max_steps=5")
-    splits = data.read_splits(cfg.data, cfg.outputs_dir)
+    splits = data.load_splits(cfg.data)
     sampled, line = sample(cfg, splits)
     assert line == (
         "a short run (5 steps, eval.sample=auto below 50): evaluating on 200 of 1,000 test texts and 200 of 500 "

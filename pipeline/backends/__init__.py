@@ -29,10 +29,6 @@ class TrainOutput:
     val_metrics: dict[str, float] = field(default_factory=dict)  # the validation split at the end, same keys
     # with eval.every_steps=N: each validation figure at steps N, 2N, ... before the last ({step: value})
     val_series: dict[str, dict[int, float]] = field(default_factory=dict)
-    # the whole model's size, counted before training: its parameters, and model_flops' (N, L H Q, N trained) (a sharding
-    # wrapper, FSDP, leaves each rank's parameters holding its shard only). None: the model is counted after
-    num_params: int | None = None
-    flops: tuple[int, int, int] | None = None
     eval_runtime_s: float = 0.0  # wall time of the evaluations after training (test and validation splits)
 
 
@@ -214,28 +210,34 @@ def optimizer_step_mode(spec, device):
 
 @dataclass
 class Trained:
-    """What the train stage hands the measure stage: the collator (its `input_names`: a batch's tensors; a
-    training run's: its batches' tokens), and a training run's output and the timer of its steps, or a batch
-    search's largest batch that fits and each fitting probe's figures by batch size (pipeline.batch_size)."""
+    """What the train stage hands the measure stage: the collator (its `input_names`: a batch's tensors), and a
+    training run's output with what each rank measured, or a batch search's largest batch that fits and each
+    fitting probe's figures by batch size (pipeline.batch_size)."""
 
     output: TrainOutput | None = None
-    timer: object = None  # pipeline.timing.StepTimer
     collate: object = None  # pipeline.data.PaddingCollator
     largest: int | None = None
     probes: dict[int, dict] | None = None
+    # what this rank measured: its optimizer's state (StateSize, and its paged part), its steps' times
+    # (StepTimer.figures) and the device's peak FLOP/s (timing.peak_flops); every rank's record
+    # (pipeline.distributed.Ranks: the state, the peak, the batches' tokens, the largest batch)
+    state: object = None
+    paged: object = None
+    steady: dict | None = None
+    peak_flops: tuple | None = None
+    ranks: object = None
 
 
-def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
+def run(cfg, spec, model, splits, collate, job_dir) -> Trained:
     """The train stage: the backend (`backend.name`) trains the model `train.max_steps` steps with the optimizer
-    `spec`, its steps timed; with find_batch_size=true it searches the largest batch that fits instead
+    `spec` on the splits as `collate` pads them (pipeline.data.PaddingCollator), its steps timed, then reads what
+    each rank measured (`measured`); with find_batch_size=true it searches the largest batch that fits instead
     (pipeline.batch_size)."""
     import torch
 
     from pipeline import batch_size
-    from pipeline.data import PaddingCollator
     from pipeline.timing import StepTimer
 
-    collate = PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length, cfg.task.name)
     train = get(cfg.backend.name).train
     if cfg.find_batch_size:
         if cfg.memory_budget_mb is None and not torch.cuda.is_available():
@@ -244,13 +246,36 @@ def run(cfg, spec, model, tokenizer, splits, job_dir) -> Trained:
             )
 
         def collate_for(probe):
-            return PaddingCollator(tokenizer, probe.train.padding, probe.train.max_length)
+            return collate.padded(probe.train.padding, probe.train.max_length)
 
         largest, probes = batch_size.search(cfg, model, splits, spec, collate_for, job_dir, train)
         return Trained(collate=collate, largest=largest, probes=probes)
     with StepTimer(model) as timer:
         output = train(cfg, model, splits, spec, collate, job_dir)
-    return Trained(output, timer, collate)
+    return measured(cfg, model, output, timer, collate, job_dir)
+
+
+def measured(cfg, model, output: TrainOutput, timer, collate, job_dir) -> Trained:
+    """What this rank measured, read once after training from what holds it (its optimizer's state, the peaks,
+    its batches' tokens, its steps' times), and every rank's record, gathered on every rank (one collective:
+    every rank calls it)."""
+    from pipeline import distributed
+    from pipeline.state import optimizer_state_size, paged_state_size
+    from pipeline.timing import peak_flops, warmup_steps
+
+    state, paged = optimizer_state_size(output.optimizer), paged_state_size(output.optimizer)
+    record = {
+        "optimizer_state_bytes": state.bytes,
+        "peak_memory_mb": output.peak.metrics()["peak_memory_mb"],
+        "batches": collate.batches[: cfg.train.max_steps],  # each step's (real, padded) tokens
+        "largest_batch": list(output.peak.largest_batch),
+        "largest_before_state": output.peak.largest_before_state,
+        "largest_with_state": list(output.peak.largest_with_state),
+    }
+    ranks = distributed.gather(cfg, model, record, job_dir)
+    steady = timer.figures(warmup_steps(cfg))
+    peak = peak_flops(output.device, cfg.train.precision, cfg.outputs_dir)
+    return Trained(output, collate, state=state, paged=paged, steady=steady, peak_flops=peak, ranks=ranks)
 
 
 def get(name: str):

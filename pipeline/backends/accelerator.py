@@ -26,7 +26,6 @@ from pipeline.backends import (
     training_memory,
 )
 from pipeline.data import IGNORE_INDEX
-from pipeline.measurements import model_size
 from pipeline.optimizers import LAYERWISE, LOMO
 
 
@@ -135,7 +134,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     train_loader = loader(splits.train, batch_size=cfg.batch_size, sampler=sampler)
     eval_loader = loader(splits.eval, batch_size=cfg.eval.batch_size)
     val_loader = None if splits.val is None else loader(splits.val, batch_size=cfg.eval.batch_size)
-    num_params, flops = model_size(model)  # before FSDP leaves this rank's shard in the parameters
     if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
         enable_checkpointing(model)
     if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
@@ -216,7 +214,5 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         device=str(accelerator.device),
         val_metrics=val_metrics,
         val_series=val_series,
-        num_params=num_params,
-        flops=flops,
         eval_runtime_s=time.perf_counter() - start,
     )

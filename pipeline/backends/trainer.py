@@ -26,7 +26,6 @@ from pipeline.backends import (
     optimizer_step_mode,
     training_memory,
 )
-from pipeline.measurements import model_size
 
 
 class LossKeepingTrainer(Trainer):
@@ -152,7 +151,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     checkpointing = checkpointing_name(TrainingArguments)  # the Trainer enables it on the model at train()
     # periodic validation: the Trainer's own eval_strategy="steps" on the validation split
     every = cfg.eval.get("every_steps", 0) if splits.val is not None and evaluate else 0
-    num_params, flops = model_size(model)
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
@@ -247,7 +245,5 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         device=str(args.device),
         val_metrics=val_metrics,
         val_series=val_series,
-        num_params=num_params,
-        flops=flops,
         eval_runtime_s=time.perf_counter() - start,
     )
