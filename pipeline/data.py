@@ -267,10 +267,12 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     def build() -> tuple[dict, dict]:
         read = load_splits(cfg.data, task)
         read.inputs = dataset_inputs(read, cfg.data)
-        cut, said = sample(cfg, read)
+        cut, sampled = sample(cfg, read)
         done = tokenize(cut, tokenizer, length, vocab, task, packing)
         parts = {"train": done.train, "eval": done.eval, "val": done.val}
-        return parts, {"label_names": read.label_names, "inputs": cut.inputs, "said": said}
+        return parts, {"label_names": read.label_names, "inputs": cut.inputs, "sampled": sampled}
+
+    why = sample_reason(cfg)
 
     tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, task)
     inputs.append([tokenizer.name_or_path, len(tokenizer), vocab])
@@ -279,8 +281,8 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     parts, kept = cache.cached_dataset(
         cache.folder(cfg.outputs_dir, "splits"), inputs, build, MANIFEST, files
     )
-    if kept["said"] and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
-        print(f"[job] {kept['said']}", flush=True)
+    if kept["sampled"] and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[job] {SAMPLE_LINE.format(why=why, cut=kept['sampled'])}", flush=True)
     names = kept["label_names"]
     splits = Splits(parts["train"], parts["eval"], names, parts.get("val"), kept["inputs"], task)
     return tokenizer, splits, PaddingCollator(tokenizer, cfg.train.padding, length, task)
@@ -303,8 +305,8 @@ def eval_sample(cfg) -> int | None:
 
 
 def sample(cfg: DictConfig, splits: Splits) -> tuple[Splits, str | None]:
-    """The splits (as read) with their test and validation splits cut to eval_sample's first texts, and the
-    line that says so (None when nothing was cut)."""
+    """The splits (as read) with their test and validation splits cut to eval_sample's first texts, and what was
+    cut (`200 of 1,000 test texts and 200 of 500 validation texts`; None when nothing was)."""
     n = eval_sample(cfg)
     kept = {
         name: ds
@@ -314,15 +316,20 @@ def sample(cfg: DictConfig, splits: Splits) -> tuple[Splits, str | None]:
     if not kept:
         return splits, None
     names = {"eval": "test", "val": "validation"}
-    said = " and ".join(f"{n:,} of {len(ds):,} {names[name]} texts" for name, ds in kept.items())
     cut = replace(splits, **{name: ds.select(range(n)) for name, ds in kept.items()})
     cut.inputs = dataset_inputs(cut, cfg.data)
-    why = (
-        f"a short run ({cfg.train.max_steps} steps, eval.sample=auto below {SHORT_RUN_STEPS})"
-        if OmegaConf.select(cfg, "eval.sample") == AUTO
-        else f"eval.sample={n}"
-    )
-    return cut, f"{why}: evaluating on {said}; eval.sample=null for all of them"
+    return cut, " and ".join(f"{n:,} of {len(ds):,} {names[name]} texts" for name, ds in kept.items())
+
+
+# what a job says of its sample: why (sample_reason), and what was cut (sample)
+SAMPLE_LINE = "{why}: evaluating on {cut}; eval.sample=null for all of them"
+
+
+def sample_reason(cfg: DictConfig) -> str:
+    """Why a job evaluates on a sample: `a short run (5 steps, eval.sample=auto below 50)`, or `eval.sample=200`."""
+    if OmegaConf.select(cfg, "eval.sample") == AUTO:
+        return f"a short run ({cfg.train.max_steps} steps, eval.sample=auto below {SHORT_RUN_STEPS})"
+    return f"eval.sample={eval_sample(cfg)}"
 
 
 def _first(ds, limit: int | None):

@@ -36,8 +36,8 @@ def test_a_short_run_evaluates_on_a_sample_and_is_a_point_of_its_own():
 def test_the_sample_is_each_splits_first_texts_and_its_line_names_it():
     cfg = compose_cfg("train.max_steps=5")
     splits = data.load_splits(cfg.data)
-    sampled, line = sample(cfg, splits)
-    assert line == (
+    sampled, cut = sample(cfg, splits)
+    assert data.SAMPLE_LINE.format(why=data.sample_reason(cfg), cut=cut) == (
         "a short run (5 steps, eval.sample=auto below 50): evaluating on 200 of 1,000 test texts and 200 of 500 "
         "validation texts; eval.sample=null for all of them"
     )
@@ -51,10 +51,9 @@ def test_the_sample_is_each_splits_first_texts_and_its_line_names_it():
         "eval": 200,
     }
     # a sample as large as a split leaves it whole
-    whole, line = sample(compose_cfg("eval.sample=500"), splits)
-    assert (
-        line.startswith("eval.sample=500: evaluating on 500 of 1,000 test texts;") and len(whole.val) == 500
-    )
+    whole, cut = sample(compose_cfg("eval.sample=500"), splits)
+    assert data.sample_reason(compose_cfg("eval.sample=500")) == "eval.sample=500"
+    assert cut == "500 of 1,000 test texts" and len(whole.val) == 500
     assert sample(compose_cfg(), splits) == (splits, None)
 
 
