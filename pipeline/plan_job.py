@@ -76,34 +76,47 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
     return metrics
 
 
-def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) -> dict[str, float]:
-    """What each lever that applies to a point that does not fit makes of it (pipeline.levers): its peak and
-    largest batch, the point planned again with it; a sharding's smallest number of ranks that fits and the
-    largest batch per rank there, from the point's own plan. A lever that cannot be planned is left out, said
-    in one line."""
-    from pipeline import levers, optimizers
+def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) -> tuple[dict, dict]:
+    """(metrics, params): what each lever that applies to a point that does not fit makes of it
+    (pipeline.levers): its peak and largest batch, the point planned again with it; a sharding's smallest
+    number of ranks that fits and the largest batch per rank there, from the point's own plan; then the recipe,
+    the cheapest combination of them that fits (pipeline.recipe). A lever that cannot be planned is left out,
+    said in one line."""
+    from pipeline import levers, optimizers, recipe
 
     extra = prediction["workspaces"]
-    metrics = {}
-    # checkpointing shrinks the forward/backward pass only: where the peak falls in the optimizer step, it stays
-    in_pass = prediction["peak"] > prediction["step_peak"]
-    for name, overrides in levers.applicable(cfg, in_pass).items():
+
+    def planned(overrides: dict) -> tuple[float, int]:
         changed = levers.with_lever(cfg, overrides)
+        spec = optimizers.spec_for(changed.optim)
+        again = plan.simulate(
+            config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
+        )
+        if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
+            shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
+            found = rank_metrics(again, shards, changed, budget)
+            return found["predicted_peak_mb"], found["predicted_max_batch_size"]
+        return again["peak"], plan.largest_batch(again, budget)
+
+    def together(chosen: list[str]) -> tuple[float, int]:
         try:
-            spec = optimizers.spec_for(changed.optim)
-            again = plan.simulate(
-                config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
+            return planned({k: v for name in chosen for k, v in applicable[name].items()})
+        except Exception as err:  # noqa: BLE001 (a combination the simulation cannot run: not a recipe)
+            log.warning(
+                "plan: levers %s together left out: %s: %s", "+".join(chosen), type(err).__name__, err
             )
-            if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
-                shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
-                found = rank_metrics(again, shards, changed, budget)
-                peak, batch = found["predicted_peak_mb"], found["predicted_max_batch_size"]
-            else:
-                peak, batch = again["peak"], plan.largest_batch(again, budget)
+            return float("inf"), 0
+
+    metrics, singles = {}, {}
+    # checkpointing shrinks the forward/backward pass only: where the peak falls in the optimizer step, it stays
+    applicable = levers.applicable(cfg, prediction["peak"] > prediction["step_peak"])
+    for name, overrides in applicable.items():
+        try:
+            singles[name] = planned(overrides)
         except Exception as err:  # noqa: BLE001 (a lever the simulation cannot run: the plan goes on)
             log.warning("plan: lever %s left out: %s: %s", name, type(err).__name__, err)
             continue
-        metrics[f"lever_{name}_peak_mb"], metrics[f"lever_{name}_max_batch_size"] = peak, batch
+        metrics[f"lever_{name}_peak_mb"], metrics[f"lever_{name}_max_batch_size"] = singles[name]
     shard = levers.sharding(cfg)
     ranks = shard and plan_ranks.smallest_world(prediction, layout, shard, cfg.batch_size, budget, extra)
     if ranks:
@@ -111,7 +124,12 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
         metrics[f"lever_{shard}_max_batch_size"] = plan_ranks.largest_batch(
             prediction, layout, shard, ranks, budget, extra
         )
-    return metrics
+    # the recipe weighs the pass's levers wherever the peak falls: the others can move it into the pass
+    applicable |= levers.applicable(cfg, True)
+    found = recipe.search(
+        cfg, [n for n in applicable if n in singles or n in recipe.PASS], singles, together, budget
+    )
+    return metrics | found["metrics"], found["params"]
 
 
 def logits_line(metrics: dict) -> str | None:
@@ -146,8 +164,10 @@ def plan_result(cfg) -> dict:
     """The record of a plan job: the predicted parts and peak of a training step (per rank for several) at the
     configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
     from pipeline import adapters, models, optimizers, predict  # predict: the field's rules of thumb
+    from pipeline.config import own_model
 
     start = time.perf_counter()
+    cfg = own_model(cfg)  # a model of one's own (model.config): the entry its config.json makes
     spec = optimizers.spec_for(cfg.optim)
     config = planned_config(cfg)
     cuda = cfg.device_memory is not None or torch.cuda.is_available()
@@ -177,7 +197,7 @@ def plan_result(cfg) -> dict:
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
         "bytes_rule_mb": predict.bytes_rule_mb(num_params),
     }
-    budget = budget_mb(cfg)
+    budget, recipe = budget_mb(cfg), {}
     if budget is not None:
         metrics["budget_mb"] = budget
         metrics["fits"] = float(prediction["peak"] <= budget)
@@ -189,7 +209,8 @@ def plan_result(cfg) -> dict:
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
         if not metrics["fits"]:
-            metrics |= lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout)
+            found, recipe = lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout)
+            metrics |= found
     metrics["plan_s"] = time.perf_counter() - start
     return {
         "metrics": metrics,
@@ -198,6 +219,7 @@ def plan_result(cfg) -> dict:
             "device": f"cuda: {cfg.device_memory or 'this machine'} (planned)" if cuda else "cpu (planned)",
             "device_memory": cfg.device_memory,
             **adapters.held_dtypes(model),  # what it planned: trainable_dtype, and a frozen base's base_dtype
+            **recipe,  # where it does not fit: the cheapest combination of levers that does (pipeline.recipe)
         },
         "tags": {
             "mode": "plan",

@@ -255,6 +255,8 @@ PLAN_COLUMNS = {
     "18 bytes/param, Adam [MB]": "bytes_rule_mb",
     "parameters": "model_num_params",
 }
+# a plan's recipe (pipeline.recipe): the overrides, their kinds, its peak and largest batch
+RECIPE = ("recipe", "recipe_kinds", "recipe_peak_mb", "recipe_max_batch_size")
 
 # param optim_variant -> (the label beside the optimizer, what it means); `plain` gets none
 VARIANTS = {

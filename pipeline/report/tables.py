@@ -32,6 +32,7 @@ from pipeline.report.columns import (
     PLAN_DEFAULTS,
     PLAN_KEYS,
     RATES,
+    RECIPE,
     SEEDS,
     TASK_COLUMNS,
     TASKS,
@@ -419,6 +420,8 @@ def plan_table(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         c for c in plans if c.startswith("lever_")
     )  # what each lever makes of a point: the verdict's
     values[levers] = plans[levers].astype(float)
+    # the recipe where the plan searched one (pipeline.recipe): what the verdict names first
+    values[[c for c in RECIPE if c in plans]] = plans[[c for c in RECIPE if c in plans]]
     keys = [
         k
         for k in PLAN_KEYS
@@ -553,6 +556,28 @@ def lever_phrase(row) -> str:
     return said + (f". Not enough alone: {'; '.join(short)}" if short else "")
 
 
+def recipe_phrase(row) -> str | None:
+    """A plan row's recipe in a few words: `train.precision=bf16_pure ... (keeps the math: in_backward;
+    approximates it: bf16_pure; 61,639 MB, largest batch 1)`, or that no combination fits and the smallest peak
+    one reached; then the GPUs a sharding would need. None for a row planned without a recipe."""
+    recipe = row.get("recipe")
+    if not isinstance(recipe, str):
+        return None
+    peak, budget = row.get("recipe_peak_mb"), row["budget [MB]"]
+    if recipe == "none":
+        said = "no combination of the levers fits"
+        if peak is not None and pd.notna(peak):
+            said += f" (the smallest peak, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
+    else:
+        batch = int(row.get("recipe_max_batch_size") or 0)
+        said = f"{recipe} ({row.get('recipe_kinds')}; {_readable(peak)} MB, largest batch {batch})"
+    for name in ("fsdp", "zero1"):
+        ranks = _lever_figure(row, name, "ranks")
+        if ranks is not None:
+            said += f"; or {int(ranks)} GPUs with train.sharding={name}"
+    return said
+
+
 def fit_verdict(plans: pd.DataFrame) -> list[str]:
     """One line per planned setting (model, precision, batch, device ... besides the optimizer) with a budget:
     `fits h100-80gb at batch 4: adafactor (largest 76; 40,201 MB, 53.0% left), adamw_8bit (42; ...); does not
@@ -586,7 +611,7 @@ def fit_verdict(plans: pd.DataFrame) -> list[str]:
             f"; does not fit: {', '.join(short)}" if short else ""
         )
         for _, row in no.iterrows():
-            line += f". To fit {_way(row)}: {lever_phrase(row)}"
+            line += f". To fit {_way(row)}: {recipe_phrase(row) or lever_phrase(row)}"
         lines.append(line)
     return lines
 
@@ -667,6 +692,7 @@ def _readable(value) -> str:
 
 
 def plan_display(plans: pd.DataFrame) -> pd.DataFrame:
-    """A plan table as shown: its figures readable, without the levers' (the verdict says what they buy)."""
-    plans = plans.drop(columns=[c for c in plans if c.startswith("lever_")])
+    """A plan table as shown: its figures readable, without the levers' and the recipe's (the verdict says
+    them)."""
+    plans = plans.drop(columns=[c for c in plans if c.startswith(("lever_", "recipe"))])
     return plans.map(lambda v: _readable(v) if isinstance(v, float) else v)

@@ -1,0 +1,83 @@
+"""The recipe of a point that does not fit its budget: the cheapest combination of the levers (pipeline.levers) that
+fits it on its own GPUs, searched in the order of what each lever changes: first those that keep the training
+math (the step inside backward, the loss in pieces, checkpointing: cheapest step first), then those that
+approximate it (mixed bf16, bf16 weights without a master copy, a 16-bit frozen base, 8-bit AdamW state, a 4-bit
+frozen base), another optimizer last. Each lever joins the combination where it lowers the peak (in two rounds: one
+that lowered nothing may, once the others have moved the peak); the first combination that fits, less each lever
+it still fits without (the latest first), is the recipe (param `recipe`:
+the overrides as one types them; `recipe_kinds`: each lever's kind;
+metrics `recipe_peak_mb`, `recipe_max_batch_size`). Where none fits: `recipe` none and the smallest peak any
+combination reached (`recipe_peak_mb`). More GPUs (sharding over more ranks) are not in it: the plan's
+`lever_<sharding>_ranks` says how many would fit."""
+
+from __future__ import annotations
+
+from pipeline.levers import LEVERS
+from pipeline.levers import OPTIMIZER_LEVERS as OPTIMIZERS
+
+KEEPS = "keeps the math"
+APPROXIMATES = "approximates it"
+OTHER = "another optimizer"
+# the order the search tries them in: by kind, then by what a step costs (recomputation, slower kernels)
+ORDER = (
+    (KEEPS, ("in_backward", "loss_chunks", "checkpointing")),
+    (APPROXIMATES, ("bf16", "bf16_pure", "base16", "adamw_8bit", "qlora")),
+    (OTHER, ("adafactor",)),
+)
+
+
+PASS = ("loss_chunks", "checkpointing")  # the levers of the forward and backward pass
+
+
+def kind_of(name: str, cfg) -> str:
+    """A lever's kind for a point: 8-bit state approximates AdamW, and is another optimizer for any other."""
+    if name == "adamw_8bit" and cfg.optim.name != "adamw":
+        return OTHER
+    return next(kind for kind, names in ORDER if name in names)
+
+
+def search(cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, budget: float) -> dict:
+    """The recipe's params and metrics among the levers `candidates` (names) that apply to the point. `singles`:
+    the (peak, largest batch) of those the plan weighed alone (its lever_<name>_* figures); `plan_with(names)`:
+    (peak, largest batch) of the point with those levers together. Optimizer levers replace one another."""
+    ordered = sorted(
+        candidates, key=lambda name: ([k for k, _ in ORDER].index(kind_of(name, cfg)), _rank(name))
+    )
+    chosen: list[str] = []
+    best = None
+
+    def planned(names: list[str]) -> tuple[float, int]:
+        return singles[names[0]] if len(names) == 1 and names[0] in singles else plan_with(names)
+
+    # a second round: a lever that lowered nothing alone (the loss in pieces where the optimizer's step held the
+    # peak) may lower the peak once the others have moved it
+    for name in [*ordered, *ordered]:
+        if name in chosen:
+            continue
+        trying = [n for n in chosen if not (n in OPTIMIZERS and name in OPTIMIZERS)] + [name]
+        peak, batch = planned(trying)
+        if best is not None and peak >= best[0]:
+            continue  # it lowers nothing beside the levers already chosen
+        chosen, best = trying, (peak, batch)
+        if peak <= budget:
+            for lever in reversed(chosen[:-1]):  # what it fits without
+                fewer = [n for n in chosen if n != lever]
+                again = planned(fewer)
+                if again[0] <= budget:
+                    chosen, (peak, batch) = fewer, again
+            kinds = {}
+            for lever in chosen:
+                kinds.setdefault(kind_of(lever, cfg), []).append(lever)
+            return {
+                "params": {
+                    "recipe": " ".join(LEVERS[lever].command for lever in chosen),
+                    "recipe_kinds": "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items()),
+                },
+                "metrics": {"recipe_peak_mb": peak, "recipe_max_batch_size": batch},
+            }
+    smallest = {} if best is None else {"recipe_peak_mb": best[0]}
+    return {"params": {"recipe": "none"}, "metrics": smallest}
+
+
+def _rank(name: str) -> int:
+    return next(names.index(name) for _, names in ORDER if name in names)

@@ -1,0 +1,126 @@
+"""The recipe of a point that does not fit (pipeline.recipe): the levers that keep the training math first, then
+those that approximate it, another optimizer last; each joins where it lowers the peak, and the first combination
+that fits is cut to the levers it needs. Against the plans of the 8B and 7B points a new user asked about."""
+
+import pytest
+
+from pipeline import notebook, plan_job, recipe
+from tests.conftest import compose_cfg
+from tests.test_own_model import write_json
+
+# Qwen2.5-7B's config.json as published on the hub (Qwen/Qwen2.5-7B)
+QWEN_7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 152064,
+}
+
+
+def fake_plans(peaks: dict[tuple, float]):
+    """plan_with for the search: each combination's peak (sorted names), every other combination at 100."""
+    asked = []
+
+    def plan_with(names):
+        asked.append(list(names))
+        return peaks.get(tuple(sorted(names)), 100.0), 1
+
+    return plan_with, asked
+
+
+def test_the_levers_that_keep_the_math_come_first_and_the_recipe_keeps_only_what_it_needs():
+    cfg = compose_cfg("task=causal_lm", "model=llama-tiny")
+    singles = {
+        "in_backward": (90.0, 0),
+        "bf16_pure": (80.0, 0),
+        "adamw_8bit": (85.0, 0),
+        "adafactor": (50.0, 1),
+    }
+    # bf16 weights lower the peak beside the step inside backward, but it takes 8-bit state to fit, and with it
+    # the bf16 weights are not needed
+    peaks = {("bf16_pure", "in_backward"): 65.0, ("adamw_8bit", "bf16_pure", "in_backward"): 55.0}
+    plan_with, asked = fake_plans({**peaks, ("adamw_8bit", "in_backward"): 58.0})
+    found = recipe.search(cfg, [*singles, "loss_chunks"], singles, plan_with, 60.0)
+    assert found["params"] == {
+        "recipe": "train.optimizer_in_backward=true train.max_grad_norm=0 optim=adamw_8bit",
+        "recipe_kinds": "keeps the math: in_backward; approximates it: adamw_8bit",
+    }
+    assert found["metrics"] == {"recipe_peak_mb": 58.0, "recipe_max_batch_size": 1}
+    # tried in order: the other lever that keeps the math, then the approximations; adafactor never
+    assert asked[:3] == [
+        ["in_backward", "loss_chunks"],
+        ["in_backward", "bf16_pure"],
+        ["in_backward", "bf16_pure", "adamw_8bit"],
+    ]
+    assert not any("adafactor" in a for a in asked)
+
+
+def test_an_optimizer_lever_replaces_the_other_and_nothing_fitting_says_the_smallest_peak():
+    cfg = compose_cfg()
+    singles = {"adamw_8bit": (80.0, 0), "adafactor": (70.0, 0)}
+    plan_with, asked = fake_plans({})
+    found = recipe.search(cfg, list(singles), singles, plan_with, 10.0)
+    assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 70.0}}
+    assert not any({"adamw_8bit", "adafactor"} <= set(a) for a in asked)  # never both
+    assert recipe.kind_of("adamw_8bit", compose_cfg("optim=adafactor")) == recipe.OTHER
+
+
+BASE_8B = [
+    "model=llama-3.1-8b",
+    "task=causal_lm",
+    "train.precision=bf16",
+    "batch_size=1",
+    "train.max_length=2048",
+]
+
+
+@pytest.mark.slow  # an 8B model's plan, its levers and its recipe, then the recipe planned: about 15 s
+def test_an_8b_adamw_point_on_one_h100_gets_a_recipe_that_keeps_adamw_and_fits():
+    point = [*BASE_8B, "device_memory=h100-80gb"]
+    first = plan_job.plan_result(compose_cfg("plan=true", *point))
+    assert not first["metrics"]["fits"]
+    overrides = first["params"]["recipe"].split()
+    assert overrides and not any(o.startswith("optim=") for o in overrides)  # AdamW kept
+    again = plan_job.plan_result(compose_cfg("plan=true", *point, *overrides))
+    assert again["metrics"]["fits"] == 1.0
+    assert again["metrics"]["predicted_peak_mb"] == pytest.approx(first["metrics"]["recipe_peak_mb"])
+
+
+@pytest.mark.slow  # three plans of a 7B model, their levers and recipes: about 30 s
+def test_a_7b_config_json_on_a_4090_says_full_fine_tuning_fits_no_combination_and_names_lora_s_recipe(
+    tmp_path,
+):
+    file = write_json(tmp_path / "qwen2.5-7b" / "config.json", QWEN_7B)
+    table = notebook.plan(
+        [
+            "task=causal_lm",
+            f"model.config={file}",
+            "peft=none,lora,qlora",
+            "train.precision=bf16",
+            "batch_size=4",
+        ]
+        + ["train.max_length=512", "device_memory=rtx-4090"]
+    )
+    rows = table.set_index("method")
+    assert (
+        rows.loc["full", "recipe"] == "none"
+        and rows.loc["full", "recipe_peak_mb"] > rows.loc["full", "budget [MB]"]
+    )
+    assert rows.loc["lora r=16", "recipe"] == "train.gradient_checkpointing=true"
+    assert rows.loc["qlora r=16 nf4", "fits"] == "yes"
+    (line,) = table.attrs["verdict"]
+    assert "To fit adamw: no combination of the levers fits (the smallest peak, " in line
+    assert (
+        "To fit adamw lora r=16: train.gradient_checkpointing=true (keeps the math: checkpointing; " in line
+    )
+    assert len(line) <= 300 * len(table)  # at most about 300 characters a point
