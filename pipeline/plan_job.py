@@ -76,8 +76,8 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
     return metrics
 
 
-def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) -> tuple[dict, dict]:
-    """(metrics, params): what each lever that applies to a point that does not fit makes of it
+def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
+    """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of it
     (pipeline.levers): its peak and largest batch, the point planned again with it; a sharding's smallest
     number of ranks that fits and the largest batch per rank there, from the point's own plan; then the recipe,
     the cheapest combination of them that fits (pipeline.recipe). A lever that cannot be planned is left out,
@@ -126,9 +126,8 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout) ->
         )
     # the recipe weighs the pass's levers wherever the peak falls: the others can move it into the pass
     applicable |= levers.applicable(cfg, True)
-    found = recipe.search(
-        cfg, [n for n in applicable if n in singles or n in recipe.PASS], singles, together, budget
-    )
+    candidates = [n for n in applicable if n in singles or n in recipe.PASS]
+    found = recipe.search(cfg, candidates, singles, together, budget, peak)
     return metrics | found["metrics"], found["params"]
 
 
@@ -209,7 +208,8 @@ def plan_result(cfg) -> dict:
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
         if not metrics["fits"]:
-            found, recipe = lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout)
+            peak = metrics["predicted_peak_mb"]  # (the largest rank's, of several)
+            found, recipe = lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout, peak)
             metrics |= found
     metrics["plan_s"] = time.perf_counter() - start
     return {

@@ -36,15 +36,18 @@ def kind_of(name: str, cfg) -> str:
     return next(kind for kind, names in ORDER if name in names)
 
 
-def search(cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, budget: float) -> dict:
-    """The recipe's params and metrics among the levers `candidates` (names) that apply to the point. `singles`:
-    the (peak, largest batch) of those the plan weighed alone (its lever_<name>_* figures); `plan_with(names)`:
-    (peak, largest batch) of the point with those levers together. Optimizer levers replace one another."""
+def search(
+    cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, budget: float, peak: float
+) -> dict:
+    """The recipe's params and metrics among the levers `candidates` (names) that apply to the point, whose own
+    peak is `peak`. `singles`: the (peak, largest batch) of those the plan weighed alone (its lever_<name>_*
+    figures); `plan_with(names)`: (peak, largest batch) of the point with those levers together. Optimizer
+    levers replace one another."""
     ordered = sorted(
         candidates, key=lambda name: ([k for k, _ in ORDER].index(kind_of(name, cfg)), _rank(name))
     )
     chosen: list[str] = []
-    best = None
+    best = (peak, 0)
 
     def planned(names: list[str]) -> tuple[float, int]:
         return singles[names[0]] if len(names) == 1 and names[0] in singles else plan_with(names)
@@ -56,7 +59,7 @@ def search(cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, bu
             continue
         trying = [n for n in chosen if not (n in OPTIMIZERS and name in OPTIMIZERS)] + [name]
         peak, batch = planned(trying)
-        if best is not None and peak >= best[0]:
+        if peak >= best[0]:
             continue  # it lowers nothing beside the levers already chosen
         chosen, best = trying, (peak, batch)
         if peak <= budget:
@@ -75,7 +78,7 @@ def search(cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, bu
                 },
                 "metrics": {"recipe_peak_mb": peak, "recipe_max_batch_size": batch},
             }
-    smallest = {} if best is None else {"recipe_peak_mb": best[0]}
+    smallest = {"recipe_peak_mb": best[0]} if chosen else {}  # none: no lever lowers its peak
     return {"params": {"recipe": "none"}, "metrics": smallest}
 
 

@@ -50,7 +50,7 @@ def test_the_levers_that_keep_the_math_come_first_and_the_recipe_keeps_only_what
     # the bf16 weights are not needed
     peaks = {("bf16_pure", "in_backward"): 65.0, ("adamw_8bit", "bf16_pure", "in_backward"): 55.0}
     plan_with, asked = fake_plans({**peaks, ("adamw_8bit", "in_backward"): 58.0})
-    found = recipe.search(cfg, [*singles, "loss_chunks"], singles, plan_with, 60.0)
+    found = recipe.search(cfg, [*singles, "loss_chunks"], singles, plan_with, 60.0, 120.0)
     assert found["params"] == {
         "recipe": "train.optimizer_in_backward=true train.max_grad_norm=0 optim=adamw_8bit",
         "recipe_kinds": "keeps the math: in_backward; approximates it: adamw_8bit",
@@ -69,9 +69,11 @@ def test_an_optimizer_lever_replaces_the_other_and_nothing_fitting_says_the_smal
     cfg = compose_cfg()
     singles = {"adamw_8bit": (80.0, 0), "adafactor": (70.0, 0)}
     plan_with, asked = fake_plans({})
-    found = recipe.search(cfg, list(singles), singles, plan_with, 10.0)
+    found = recipe.search(cfg, list(singles), singles, plan_with, 10.0, 90.0)
     assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 70.0}}
     assert not any({"adamw_8bit", "adafactor"} <= set(a) for a in asked)  # never both
+    nothing = recipe.search(cfg, list(singles), singles, plan_with, 10.0, 60.0)  # neither lowers a peak of 60
+    assert nothing == {"params": {"recipe": "none"}, "metrics": {}}
     assert recipe.kind_of("adamw_8bit", compose_cfg("optim=adafactor")) == recipe.OTHER
 
 

@@ -568,6 +568,8 @@ def recipe_phrase(row) -> str | None:
         said = "no combination of the levers fits"
         if peak is not None and pd.notna(peak):
             said += f" (the smallest peak, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
+        else:
+            said += " (none lowers its peak)"
     else:
         batch = int(row.get("recipe_max_batch_size") or 0)
         said = f"{recipe} ({row.get('recipe_kinds')}; {_readable(peak)} MB, largest batch {batch})"
