@@ -39,7 +39,7 @@ def test_a_plan_job_of_a_config_json_builds_the_model_it_makes(tmp_path):
 
 
 @pytest.mark.slow  # one plan sweep through the command (about 15 s)
-def test_pipeline_plan_answers_the_table_the_command_records(tmp_path, monkeypatch):
+def test_a_notebooks_plan_answers_the_table_the_command_records(tmp_path, monkeypatch):
     """notebook.plan(overrides) in this process, nothing recorded, against the same sweep through the command
     line and read back from its store with notebook.runs from another folder."""
     file = write_json(tmp_path / "qwen-tiny" / "config.json", TINY)
