@@ -258,9 +258,8 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     the sample, the tokenizing settings and the stamps of the data's and the tokenizer's files. Every job gets
     them from there, memory-mapped. Their `inputs` say what was read, for MLflow."""
     task, length, packing = cfg.task.name, cfg.train.max_length, cfg.train.packing
-    files = source_files(
-        cfg.data
-    )  # None: a hub dataset (datasets keeps its downloads), tokenized in each job
+    # None: a hub dataset (datasets keeps its downloads), tokenized in each job
+    files = source_files(cfg.data)
     inputs = [OmegaConf.to_container(cfg.data, resolve=True)] + ([task] if task != "classification" else [])
     inputs.append([eval_sample(cfg), length, packing])
 
@@ -273,7 +272,6 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
         return parts, {"label_names": read.label_names, "inputs": cut.inputs, "sampled": sampled}
 
     why = sample_reason(cfg)
-
     tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, task)
     inputs.append([tokenizer.name_or_path, len(tokenizer), vocab])
     if files is not None and Path(tokenizer.name_or_path).is_dir():  # a local tokenizer: its files stamped
