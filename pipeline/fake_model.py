@@ -189,11 +189,10 @@ def fake_model(
 
 
 class FakeJob(NamedTuple):
-    """The fake model of a job (`job_model`): its adapters' settings as a key (peft_settings), the fake mode
-    and model at the job's depth, and `build(config)`: (mode, model) of another depth of it, built alike."""
+    """The fake model of a job (`job_model`): its adapters' settings as a key (peft_settings), the model at the
+    job's depth, and `build(config)`: (fake mode, model) of another depth of it, built alike."""
 
     peft: str | None
-    mode: object
     model: object
     build: object
 
@@ -204,4 +203,4 @@ def job_model(model_config, cfg) -> FakeJob:
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
     settings = {"precision": cfg.train.precision, "checkpointing": checkpointing, "task": cfg.task.name}
     build = functools.partial(fake_model, **settings, peft=peft)
-    return FakeJob(peft, *build(model_config), build)
+    return FakeJob(peft, build(model_config)[1], build)
