@@ -34,7 +34,7 @@ def plan(overrides=(), budget_verdict: bool = True) -> pd.DataFrame:
 
     from pipeline import plan_job, quiet, runner
     from pipeline.config import CONF_DIR, own_model, validate
-    from pipeline.report import tables
+    from pipeline.report import tables, verdict
 
     quiet.install()  # the libraries' noise filtered at their loggers, as on the command line
     rows = []
@@ -47,7 +47,7 @@ def plan(overrides=(), budget_verdict: bool = True) -> pd.DataFrame:
         rows.append({**runner.job_params(cfg), **record["params"], **record["metrics"], "status": "FINISHED"})
     table = tables.plan_table(pd.DataFrame(rows))
     if budget_verdict:
-        table.attrs["verdict"] = tables.plan_verdict(table)
+        table.attrs["verdict"] = verdict.plan_verdict(table)
     return table
 
 

@@ -265,11 +265,12 @@ def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
 
 
 def plan_text(cfg: DictConfig, result: dict) -> str:
-    """A single plan's table and verdict, as a sweep's report prints them (pipeline.report.tables)."""
+    """A single plan's table and verdict, as a sweep's report prints them (pipeline.report.verdict)."""
     import pandas as pd
 
     from pipeline.plan_job import logits_line
-    from pipeline.report.tables import plan_console, plan_table
+    from pipeline.report.tables import plan_table
+    from pipeline.report.verdict import plan_console
 
     params = {k: str(v) for k, v in {**job_params(cfg), **result["params"]}.items() if v is not None}
     table = plan_table(pd.DataFrame([{**params, **result["metrics"], "status": "FINISHED"}]))

@@ -13,8 +13,9 @@ from hydra import compose, initialize_config_dir
 
 from pipeline import browse, report
 from pipeline.report.render import console_text, write_report
-from pipeline.report.tables import plan_console, plan_table
+from pipeline.report.tables import plan_table
 from pipeline.report.tuned import tuned_section
+from pipeline.report.verdict import plan_console
 from pipeline.sweep import LABELS_LINE, summary_table, sweep_metric, sweep_tasks
 from pipeline.tracking import VIEW_TAG
 from tests.conftest import CONF, run_cli, store, sweep_runs

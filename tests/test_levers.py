@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from pipeline import levers, plan_job
-from pipeline.report.tables import lever_phrase
+from pipeline.report.verdict import lever_phrase
 from tests.conftest import compose_cfg, run_cli, store
 
 # each lever as a user types it, composed by Hydra: independent of pipeline.levers' own edits of a config

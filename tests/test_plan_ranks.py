@@ -4,11 +4,13 @@ smallest number of ranks that fits; the config's checks; the plan sweep's table 
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
 from pipeline import MB, models, optimizers, plan, plan_job, plan_ranks
 from pipeline.config import ConfigError, validate
+from pipeline.report.verdict import ranks_verdict
 from tests.conftest import compose_cfg, run_cli, sweep_runs
 
 
@@ -193,6 +195,32 @@ def test_bad_plan_settings_are_one_line(overrides, message):
 def test_a_plan_takes_any_ranks_and_sharding_on_either_backend():
     for sharding in plan_ranks.SOURCES:
         validate(compose_cfg("plan=true", f"train.sharding={sharding}", "launcher.nproc_per_job=64"))
+
+
+def test_a_ranks_verdict_states_the_precision_each_answer_holds_for():
+    """A plan over shardings at two precisions where FSDP fits only under bf16_pure: one line per precision,
+    each saying its own, never one answer for both."""
+    rows = [
+        ("bf16", "fsdp", 4, None, None),
+        ("bf16", "fsdp", 8, None, None),
+        ("bf16_pure", "fsdp", 4, 4.0, 3.0),
+        ("bf16_pure", "fsdp", 8, 4.0, 3.0),
+    ]
+    table = pd.DataFrame(
+        [
+            {"model": "llama-3.1-8b", "precision": p, "batch size [samples]": 1, "device_memory": "h100-80gb",
+             "sharding": s, "ranks": n, "optimizer": "adamw", "budget [MB]": 81_559.0, "ranks needed": need,
+             "largest batch there [samples]": largest}
+            for p, s, n, need, largest in rows
+        ]
+    )  # fmt: skip
+    assert ranks_verdict(table) == [
+        "llama-3.1-8b on h100-80gb, batch 1/rank (precision bf16): adamw fits on no number of ranks tried "
+        "(up to 4096)",
+        "llama-3.1-8b on h100-80gb, batch 1/rank (precision bf16_pure): adamw needs 4 with fsdp (3/rank)",
+    ]
+    one = table[table.precision == "bf16_pure"]  # one precision: nothing to state
+    assert ranks_verdict(one) == ["llama-3.1-8b on h100-80gb, batch 1/rank: adamw needs 4 with fsdp (3/rank)"]
 
 
 @pytest.mark.slow  # ~40 s: 8 plan jobs through the CLI

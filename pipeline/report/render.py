@@ -69,7 +69,6 @@ from pipeline.report.runs import (
     validation_history,
 )
 from pipeline.report.tables import (
-    LOGITS_PART,
     _fmt,
     _optimizer_order,
     _plain,
@@ -86,10 +85,8 @@ from pipeline.report.tables import (
     is_fit_job,
     is_plan_job,
     pareto_front,
-    plan_console,
     plan_display,
     plan_table,
-    plan_verdict,
     point_columns,
     split_baseline,
     task_of,
@@ -105,6 +102,7 @@ from pipeline.report.tuned import (
     tuned_console,
     tuned_section,
 )
+from pipeline.report.verdict import LOGITS_PART, plan_console, plan_verdict
 
 
 def _markdown(frame: pd.DataFrame) -> str:
