@@ -76,7 +76,7 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
     return metrics
 
 
-def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
+def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
     """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of it
     (pipeline.levers): its peak and largest batch, the point planned again with it; a sharding's smallest
     number of ranks that fits and the largest batch per rank there, from the point's own plan; then the recipe,
@@ -89,6 +89,7 @@ def lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout, pe
     def planned(overrides: dict) -> tuple[float, int]:
         changed = levers.with_lever(cfg, overrides)
         spec = optimizers.spec_for(changed.optim)
+        config = planned_config(changed)  # a chunked loss: the model's own setting
         again = plan.simulate(
             config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
         )
@@ -209,7 +210,7 @@ def plan_result(cfg) -> dict:
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
         if not metrics["fits"]:
             peak = metrics["predicted_peak_mb"]  # (the largest rank's, of several)
-            found, recipe = lever_metrics(cfg, config, names, cuda, grid, budget, prediction, layout, peak)
+            found, recipe = lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak)
             metrics |= found
     metrics["plan_s"] = time.perf_counter() - start
     return {

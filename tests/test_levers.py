@@ -11,6 +11,7 @@ from tests.conftest import compose_cfg, run_cli, store
 # each lever as a user types it, composed by Hydra: independent of pipeline.levers' own edits of a config
 TYPED = {
     "checkpointing": ["train.gradient_checkpointing=true"],
+    "loss_chunks": ["train.loss_chunks=8"],
     "in_backward": ["train.optimizer_in_backward=true", "train.max_grad_norm=0"],
     "bf16": ["train.precision=bf16"],
     "base16": ["peft.base_dtype=auto"],
@@ -25,7 +26,7 @@ TYPED = {
 LONG = ["batch_size=32", "train.max_length=128"]
 
 
-@pytest.mark.slow  # about 10 plans each: 20 s
+@pytest.mark.slow  # about 10 plans each: 20 s each
 @pytest.mark.parametrize(
     ("point", "expected"),
     [
@@ -37,14 +38,19 @@ LONG = ["batch_size=32", "train.max_length=128"]
             ["model=llama-tiny", "peft=lora", "train.precision=bf16", "peft.base_dtype=fp32", *LONG],
             {"checkpointing", "in_backward", "base16", "qlora", "adamw_8bit", "adafactor"},
         ),
+        (
+            ["task=causal_lm", "model=llama-tiny", *LONG],
+            {"checkpointing", "loss_chunks", "in_backward", "bf16", "bf16_pure", "adamw_8bit", "adafactor"},
+        ),
     ],
-    ids=["full-fp32", "lora-bf16-fp32-base"],
+    ids=["full-fp32", "lora-bf16-fp32-base", "lm-full-fp32"],
 )
 def test_each_levers_figures_are_the_plan_of_the_point_that_uses_it(point, expected):
     """A point a budget just misses: the plan weighs the levers it does not use (full fine-tuning in fp32:
-    checkpointing, mixed bf16, bf16 weights, 8-bit or factored state; LoRA on an fp32 base under bf16: a 16-bit
-    base, a 4-bit one, not bf16_pure), and what it records of each is the peak and largest batch of the plan
-    of the point with that lever, as Hydra composes it from the command line."""
+    checkpointing, mixed bf16, bf16 weights, 8-bit or factored state; LoRA on an fp32 base under bf16: a
+    16-bit base, a 4-bit one, not bf16_pure; a language model: its loss in pieces too), and what it records of
+    each is the peak and largest batch of the plan of the point with that lever, as Hydra composes it from the
+    command line."""
     free = plan_job.plan_result(compose_cfg("plan=true", *point))["metrics"]["predicted_peak_mb"]
     budget = f"memory_budget_mb={0.9 * free}"
     cfg = compose_cfg("plan=true", *point, budget)
