@@ -29,6 +29,7 @@ QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection 
 PADDINGS = ("longest", "max_length")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")  # zero2: planned only (plan=true); training runs the others
 TRAINED_SHARDINGS = ("none", "zero1", "fsdp")
+OFFLOADS = ("none", "activations")  # train.offload: what is held on the host (pipeline.offload)
 MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need whole 2-D weights
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
@@ -142,6 +143,7 @@ CHOICES = {
     "train.precision": PRECISIONS,
     "train.padding": PADDINGS,
     "train.sharding": SHARDINGS,
+    "train.offload": OFFLOADS,
     "launcher.name": LAUNCHERS,
     "model.attn_implementation": models.ATTENTION,
 }

@@ -46,7 +46,7 @@ def _fake_model(
     from transformers import AutoConfig
 
     from pipeline import adapters
-    from pipeline.models import auto_class, chunk_the_loss
+    from pipeline.models import auto_class, chunk_the_loss, offload_activations
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -63,6 +63,7 @@ def _fake_model(
     with mode:
         model = auto_class(task).from_config(config, **kwargs)
         chunk_the_loss(model)  # config.loss_chunks, where a job sets it
+        offload_activations(model)  # config.offload_activations, likewise
         if peft is not None:
             model = _with_adapters(model, json.loads(peft), task)
     if checkpointing:  # as both backends turn it on (on the adapters' model, as a job does)

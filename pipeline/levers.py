@@ -28,6 +28,11 @@ LEVERS = {
         "train.loss_chunks=8",
         "the same loss; backward makes each piece's logits again (one more LM-head product a step)",
     ),
+    "offload": Lever(
+        "train.offload=activations",
+        "the same math; every saved activation copied to the host in forward and back in backward (PCIe traffic "
+        "a step, host memory the size of the activations)",
+    ),
     "in_backward": Lever(
         "train.optimizer_in_backward=true train.max_grad_norm=0",
         "the same update, without gradient clipping (each gradient is used and freed as it arrives); one process",
@@ -85,6 +90,8 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["checkpointing"] = {"train.gradient_checkpointing": True}
     if peak_in_pass and cfg.task.name == "causal_lm" and not cfg.train.get("loss_chunks", 0):
         found["loss_chunks"] = {"train.loss_chunks": 8}
+    if peak_in_pass and cfg.train.get("offload", "none") == "none":
+        found["offload"] = {"train.offload": "activations"}
     one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
     if one_process and not cfg.train.get("optimizer_in_backward") and not spec_for(cfg.optim).in_backward:
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from pipeline import (
     LABELS_IGNORED,
+    MB,
     StateSize,
     cache,
     cuda_reductions,
@@ -146,6 +147,7 @@ def prediction(cfg, spec, built, splits, trained) -> dict:
                 "predicted_activations_mb": figures["activations"],
                 # a language model's logits at the predicted peak (pipeline.memory.is_logits)
                 **({} if figures.get("logits") is None else {"predicted_logits_mb": figures["logits"]}),
+                **({} if figures.get("host") is None else {"predicted_host_mb": figures["host"]}),
                 "predicted_peak_error_pct": error,
                 "prediction_method": figures["method"],  # a tag
             }
@@ -171,6 +173,7 @@ PLAN_SOURCES = (
     "memory.py",
     "state.py",
     "models.py",
+    "offload.py",
     "muon.py",
     "backends/__init__.py",
 )
@@ -218,6 +221,7 @@ def simulated_step(
             "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
             "logits": found["parts"].get("logits"),  # a language model's only
+            "host": plan.host_mb(model_config, cfg, *batch, cuda, names),  # train.offload=activations
             "method": found["method"],
             # the largest batch whose peak fits `budget` MB (the paged state counted against it, as the probes do)
             **(
@@ -246,6 +250,9 @@ def measure(cfg, choice, built, splits, trained) -> dict:
     if "prediction_method" in predicted:  # a tag, not a metric
         record["tags"]["prediction_method"] = predicted.pop("prediction_method")
     record["metrics"] |= {**predicted, "peak_rss_mb": peak_rss_mb()}
+    held = getattr(built.model, "host_offload", None)  # train.offload=activations: what the host held
+    if held is not None:
+        record["metrics"]["peak_host_mb"] = held.peak / MB
     return record
 
 

@@ -374,6 +374,44 @@ def _trace(
             handle.remove()
 
 
+def host_mb(model_config, cfg, batch: int, seq: int, cuda: bool, names=INPUT_NAMES) -> float | None:
+    """train.offload=activations: the host memory (MB) the saved activations of the job's pass take at their
+    most, the end of its forward pass (pipeline.offload.HostBytes); None where it offloads nothing."""
+    if not getattr(model_config, "offload_activations", False):
+        return None
+    checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
+    unmasked = unmasked_rows(cfg, model_config)
+    masked = unmasked == "none" or (unmasked == "one" and batch > 1)
+    settings = (
+        cfg.train.precision,
+        checkpointing,
+        batch,
+        seq,
+        names,
+        cuda,
+        cfg.task.name,
+        peft_settings(cfg),
+    )
+    return offloaded_mb(model_config, *settings, masked)
+
+
+def offloaded_mb(
+    model_config, precision, checkpointing, batch, seq, names, cuda, task, peft, masked
+) -> float:
+    """What `host_mb` says, on the fake model: at its own depth, or at SHALLOW's two depths and extrapolated to
+    its own (each layer saves the same)."""
+    held = []
+    for config in _shallow_pair(model_config, task) or [model_config]:
+        mode, model = fake_model(config, precision, checkpointing, task, peft)
+        inputs, counter = _inputs(mode, batch, seq, names, task), model.host_offload
+        before = counter.peak = counter.live
+        with mode, cuda_kernels() if cuda else contextlib.nullcontext(), _autocast(precision):
+            with contextlib.nullcontext() if masked else full_rows():
+                model(**inputs)
+        held.append((counter.peak - before) / MB)
+    return held[0] if len(held) == 1 else float(_to_depth(*held, model_config.num_hidden_layers))
+
+
 def _stepped_in_backward(mode, model, spec, cfg, cuda: bool) -> tuple[list, dict]:
     """A job's optimizer stepped inside backward (pipeline.optimizers.in_backward), on the fake model: one per
     trainable weight, its state made by a first step (torch's `foreach` loop on a CUDA target, as torch picks

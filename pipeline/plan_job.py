@@ -78,7 +78,8 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
 
 def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
     """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of it
-    (pipeline.levers): its peak and largest batch, the point planned again with it; a sharding's smallest
+    (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned again
+    with it; a sharding's smallest
     number of ranks that fits and the largest batch per rank there, from the point's own plan; then the recipe,
     the cheapest combination of them that fits (pipeline.recipe). A lever that cannot be planned is left out,
     said in one line."""
@@ -86,10 +87,10 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
 
     extra = prediction["workspaces"]
 
-    def planned(overrides: dict) -> tuple[float, int]:
+    def planned(overrides: dict, largest: bool = True) -> tuple[float, int | None]:
         changed = levers.with_lever(cfg, overrides)
         spec = optimizers.spec_for(changed.optim)
-        config = planned_config(changed)  # a chunked loss: the model's own setting
+        config = planned_config(changed)  # a chunked loss, offloaded activations: the model's own settings
         again = plan.simulate(
             config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
         )
@@ -97,11 +98,13 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
             shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
             found = rank_metrics(again, shards, changed, budget)
             return found["predicted_peak_mb"], found["predicted_max_batch_size"]
-        return again["peak"], plan.largest_batch(again, budget)
+        # the largest batch where the batch asked fits: it takes a pass at more batch sizes
+        fits = largest and again["peak"] <= budget
+        return again["peak"], plan.largest_batch(again, budget) if fits else None
 
-    def together(chosen: list[str]) -> tuple[float, int]:
+    def together(chosen: list[str], largest: bool = False) -> tuple[float, int | None]:
         try:
-            return planned({k: v for name in chosen for k, v in applicable[name].items()})
+            return planned({k: v for name in chosen for k, v in applicable[name].items()}, largest)
         except Exception as err:  # noqa: BLE001 (a combination the simulation cannot run: not a recipe)
             log.warning(
                 "plan: levers %s together left out: %s: %s", "+".join(chosen), type(err).__name__, err
@@ -117,7 +120,9 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
         except Exception as err:  # noqa: BLE001 (a lever the simulation cannot run: the plan goes on)
             log.warning("plan: lever %s left out: %s: %s", name, type(err).__name__, err)
             continue
-        metrics[f"lever_{name}_peak_mb"], metrics[f"lever_{name}_max_batch_size"] = singles[name]
+        metrics[f"lever_{name}_peak_mb"] = singles[name][0]
+        if singles[name][1] is not None:  # (where it fits the batch asked)
+            metrics[f"lever_{name}_max_batch_size"] = singles[name][1]
     shard = levers.sharding(cfg)
     ranks = shard and plan_ranks.smallest_world(prediction, layout, shard, cfg.batch_size, budget, extra)
     if ranks:
@@ -149,7 +154,7 @@ def logits_line(metrics: dict) -> str | None:
 def planned_config(cfg):
     """The transformers config a plan builds the job's model from, as models.build would set it up: its
     architecture and attention kernel, a pad token (decoders classify from the last non-padding token and pad a
-    batch with it), its loss in train.loss_chunks pieces."""
+    batch with it), its loss in train.loss_chunks pieces, its saved activations on the host (train.offload)."""
     from pipeline import models
 
     config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
@@ -157,6 +162,8 @@ def planned_config(cfg):
         config.pad_token_id = 0
     if cfg.train.get("loss_chunks", 0):
         config.loss_chunks = cfg.train.loss_chunks
+    if cfg.train.get("offload", "none") == "activations":
+        config.offload_activations = True
     return config
 
 
@@ -177,6 +184,7 @@ def plan_result(cfg) -> dict:
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
     prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
     model = prediction["model"]
+    host = plan.host_mb(config, cfg, cfg.batch_size, seq, cuda, names)  # train.offload=activations
     # as a job counts them (adapters.model_size): a 4-bit weight (peft=qlora) the weights it packs
     num_params = sum(adapters.weights(p) for p in model.parameters())
     metrics = {
@@ -193,6 +201,8 @@ def plan_result(cfg) -> dict:
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
+        # train.offload=activations: what they hold on the host, beside the device's peak
+        **({} if host is None else {"predicted_host_mb": host}),
         **logits_metrics(prediction, cfg.batch_size),
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
         "bytes_rule_mb": predict.bytes_rule_mb(num_params),

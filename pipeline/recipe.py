@@ -1,13 +1,14 @@
-"""The recipe of a point that does not fit its budget: the cheapest combination of the levers (pipeline.levers)
-that fits it on its own GPUs, searched in the order of what each lever changes: first those that keep the
-training math (the step inside backward, the loss in pieces, checkpointing: cheapest step first), then those that
-approximate it (mixed bf16, bf16 weights without a master copy, a 16-bit frozen base, 8-bit AdamW state, a 4-bit
-frozen base), another optimizer last. Each lever joins the combination where it lowers the peak (in two rounds:
-one that lowered nothing may, once the others have moved the peak); the first combination that fits, less each
-lever it still fits without (the latest first), is the recipe (param `recipe`: the overrides as one types them;
-`recipe_kinds`: each lever's kind; metrics `recipe_peak_mb`, `recipe_max_batch_size`). Where none fits: `recipe`
-none and the smallest peak any combination reached (`recipe_peak_mb`). More GPUs (sharding over more ranks) are
-not in it: the plan's `lever_<sharding>_ranks` says how many would fit."""
+"""The recipe of a point that does not fit its budget: the cheapest combination of the levers
+(pipeline.levers) that fits it on its own GPUs, searched in the order of what each lever changes: first those
+that keep the training math (the step inside backward, the loss in pieces, checkpointing, the activations on
+the host: cheapest step first), then those that approximate it (mixed bf16, bf16 weights without a master
+copy, a 16-bit frozen base, 8-bit AdamW state, a 4-bit frozen base), another optimizer last. Each lever joins
+the combination where it lowers the peak (in two rounds: one that lowered nothing may, once the others have
+moved the peak); the first combination that fits, less each lever it still fits without (the latest first), is
+the recipe (param `recipe`: the overrides as one types them; `recipe_kinds`: each lever's kind; metrics
+`recipe_peak_mb`, `recipe_max_batch_size`). Where none fits: `recipe` none and the smallest peak any
+combination reached (`recipe_peak_mb`). More GPUs (sharding over more ranks) are not in it: the plan's
+`lever_<sharding>_ranks` says how many would fit."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ APPROXIMATES = "approximates it"
 OTHER = "another optimizer"
 # the order the search tries them in: by kind, then by what a step costs (recomputation, slower kernels)
 ORDER = (
-    (KEEPS, ("in_backward", "loss_chunks", "checkpointing")),
+    (KEEPS, ("in_backward", "loss_chunks", "checkpointing", "offload")),
     (APPROXIMATES, ("bf16", "bf16_pure", "base16", "adamw_8bit", "qlora")),
     (OTHER, ("adafactor",)),
 )
-PASS = ("loss_chunks", "checkpointing")  # the levers of the forward and backward pass
+PASS = ("loss_chunks", "checkpointing", "offload")  # the levers of the forward and backward pass
 
 
 def kind_of(name: str, cfg) -> str:
@@ -38,7 +39,8 @@ def search(
 ) -> dict:
     """The recipe's params and metrics among the levers `candidates` (names) that apply to the point, whose own
     peak is `peak`. `singles`: the (peak, largest batch) of those the plan weighed alone (its lever_<name>_*
-    figures); `plan_with(names)`: (peak, largest batch) of the point with those levers together. Optimizer
+    figures); `plan_with(names, largest)`: (peak, largest batch) of the point with those levers together, the
+    batch None unless `largest` (asked of the recipe alone: it takes a pass at more batch sizes). Optimizer
     levers replace one another."""
     ordered = sorted(
         candidates, key=lambda name: ([k for k, _ in ORDER].index(kind_of(name, cfg)), _rank(name))
@@ -65,6 +67,8 @@ def search(
                 again = planned(fewer)
                 if again[0] <= budget:
                     chosen, (peak, batch) = fewer, again
+            if batch is None:
+                batch = plan_with(chosen, largest=True)[1]
             kinds = {}
             for lever in chosen:
                 kinds.setdefault(kind_of(lever, cfg), []).append(lever)

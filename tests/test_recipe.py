@@ -31,7 +31,7 @@ def fake_plans(peaks: dict[tuple, float]):
     """plan_with for the search: each combination's peak (sorted names), every other combination at 100."""
     asked = []
 
-    def plan_with(names):
+    def plan_with(names, largest=False):
         asked.append(list(names))
         return peaks.get(tuple(sorted(names)), 100.0), 1
 

@@ -167,6 +167,46 @@ def test_the_step_inside_backward_refuses_clipping_and_an_optimizer_that_is_ther
     validate(compose_cfg(*LM, "plan=true", "train.optimizer_in_backward=true", "train.max_grad_norm=0"))
 
 
+@pytest.mark.slow  # two real jobs each (4 steps, llama-tiny): about 10 s
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("backend", ["accelerator", "trainer"])
+def test_offloaded_activations_leave_the_device_and_take_the_host_as_planned(backend, tmp_path):
+    """train.offload=activations: llama-tiny (8 x 256 tokens, bf16 weights, its loss in 8 pieces) with what its
+    forward pass saves held on the host: the measured device peak within 1% of the plan, below the same job's
+    without it by its activations, to 1% (the saved tensors a GPU would no longer hold), the host memory they
+    take as planned, and the same training loss."""
+    from bench.plan_accuracy_lm import case
+
+    off, on = (
+        case("llama-tiny", 8, 256, False, False, tmp_path, "bf16_pure", backend=backend, extra=extra)[
+            "metrics"
+        ]
+        for extra in (("train.loss_chunks=8",), ("train.loss_chunks=8", "train.offload=activations"))
+    )
+    assert abs(on["predicted_peak_error_pct"]) <= 1, on
+    saved = off["peak_activations_mb"] - on["peak_activations_mb"]
+    assert off["peak_memory_mb"] - on["peak_memory_mb"] == pytest.approx(saved, rel=0.01)
+    assert on["peak_activations_mb"] < 0.01 * off["peak_activations_mb"]
+    # (to a few bytes: the Trainer's token count, a scalar the loss is divided by, is saved too)
+    assert on["peak_host_mb"] == pytest.approx(on["predicted_host_mb"], abs=100 / MB)
+    assert on["peak_host_mb"] >= off["peak_activations_mb"] and "peak_host_mb" not in off
+    assert on["train_loss_final"] == off["train_loss_final"]
+
+
+def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths(monkeypatch):
+    """The host memory of a deep model's offloaded activations, planned from SHALLOW's two depths, is what the
+    forward pass at its own depth holds; a bad value of the key is one line."""
+    cfg = compose_cfg(*LM, "train.offload=activations")
+    config = plan_job.planned_config(cfg)
+    config.num_hidden_layers = 8
+    args = (config, "fp32", False, 2, 64, plan.INPUT_NAMES, False, "causal_lm", None, True)
+    extrapolated = plan.offloaded_mb(*args)
+    monkeypatch.setattr(plan, "_shallow_pair", lambda *a, **k: None)
+    assert extrapolated == pytest.approx(plan.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
+    with pytest.raises(ConfigError, match="train.offload='weights' is invalid"):
+        validate(compose_cfg(*LM, "train.offload=weights"))
+
+
 TORCHTUNE_LORA_4090_MIB = 16.2 * 1024  # torchtune's README: Llama 3.1 8B, LoRA, 1x 4090, peak memory per GPU
 
 
