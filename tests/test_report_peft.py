@@ -15,11 +15,12 @@ from pipeline.report.tables import (
     decision_table,
     failed_table,
     fit_table,
+    own_baseline,
     pareto_front,
     point_columns,
     split_baseline,
 )
-from pipeline.report.tuned import tuned_section
+from pipeline.report.tuned import tuned_console, tuned_section
 
 POINT = {"model": "tiny", "batch_size": 16, "backend": "trainer", "precision": "fp32"}
 METHODS = ["full", "lora r=16", "qlora r=16 nf4"]
@@ -197,6 +198,36 @@ def test_the_tuned_section_keeps_methods_apart_and_compares_with_full_adamw():
     delta = "Δ test macro-F1 [0-1]"
     assert tuned[delta].tolist() == pytest.approx([0, 0, 0.05, 0.05])  # each against AdamW's full at its best
     assert tuned["n vs baseline [seeds]"].tolist() == ["", "2 vs 2", "2 vs 2", "2 vs 2"]
+
+
+def test_a_lora_only_tuning_sweep_takes_its_own_baseline_and_its_console_reads_without_one():
+    """No run of full AdamW: the report's baseline is what most runs ran (the first of a tie), against which
+    the tuned table has its Δ; a tuned table read back without a Δ column (none had a baseline) still prints."""
+    rows = [
+        job(
+            optim,
+            "lora r=16",
+            seed,
+            lr,
+            val_macro_f1=(0.8 if lr == 1e-4 else 0.6) + 0.01 * seed,
+            eval_macro_f1=v,
+        )
+        for optim, v in (("adamw", 0.7), ("adafactor", 0.75))
+        for lr in (1e-4, 1e-3)
+        for seed in (0, 1)
+    ]
+    jobs = jobs_of(rows)
+    assert own_baseline(jobs, "adamw") == "adamw lora r=16"
+    assert own_baseline(jobs, "adafactor lora r=16") == "adafactor lora r=16"  # one of the runs: kept
+    assert own_baseline(sweep(), "adamw") == "adamw"
+    tuned = tuned_section(jobs, baseline=own_baseline(jobs, "adamw")).table
+    assert tuned["Δ test macro-F1 [0-1]"].tolist() == pytest.approx([0, 0.05])
+    without = tuned_section(
+        jobs
+    ).table  # against full AdamW, which did not run: no Δ, left out once read back
+    assert without["Δ test macro-F1 [0-1]"].isna().all()
+    lines = tuned_console(without.drop(columns="Δ test macro-F1 [0-1]")).splitlines()
+    assert "test macro-F1 [0-1]" in lines[0] and len(lines) == 3
 
 
 def test_the_page_and_comparison_csv_carry_the_method(tmp_path):

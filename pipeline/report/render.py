@@ -84,6 +84,7 @@ from pipeline.report.tables import (
     has_peft,
     is_fit_job,
     is_plan_job,
+    own_baseline,
     pareto_front,
     plan_display,
     plan_table,
@@ -626,6 +627,7 @@ def build(
     raw = search_jobs(uri, parents, experiment, runs)
     jobs, left_out = one_per_point(job_table(raw, sweep_names(uri)))
     training = jobs[~is_fit_job(jobs) & ~is_plan_job(jobs)]
+    asked, baseline = baseline, own_baseline(training[training.status == "FINISHED"], baseline)
     table = compare(training, baseline)
     if runs:
         name = folder = "+".join(dict.fromkeys(jobs.run_name.astype(str)))
@@ -636,6 +638,10 @@ def build(
     out = Path(out) if out else Path(root or outputs_of(uri, parents) / "report") / folder
     title = f"Optimizer comparison: {name}"
     about = _about(uri, parents, jobs, baseline, status)
+    if baseline != asked:  # none of the runs is the baseline asked for
+        about.append(
+            f"baseline: `{baseline}`, what most of the runs ran (none ran `{asked}`; `--baseline` picks one)"
+        )
     pooled = parents is None or len(parents) > 1 or bool(skipped_runs(parents))
     notes = [count_note(jobs, left_out, pooled and not runs), f1_note(jobs), sample_note(training)]
     notes += variant_notes(training)

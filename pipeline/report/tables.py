@@ -107,6 +107,16 @@ def is_baseline(frame: pd.DataFrame, baseline: str) -> pd.Series:
     return frame.optim.eq(optim) & (method_of(frame).eq(method) if METHOD in frame else method == FULL)
 
 
+def own_baseline(jobs: pd.DataFrame, baseline: str) -> str:
+    """`baseline` where one of `jobs` is it, else theirs: the optimizer and method most of them ran (the first
+    of those ties), as --baseline names it (a sweep of LoRA runs alone: `adamw lora r=16`)."""
+    if jobs.empty or "optim" not in jobs or is_baseline(jobs, baseline).any():
+        return baseline
+    optim, method = jobs.optim.astype(str), method_of(jobs)
+    ways = optim.where(method.eq(FULL), optim + " " + method)
+    return str(ways.value_counts(sort=True).index[0])
+
+
 def row_keys(points: list[str]) -> list[str]:
     """A row's keys from its point (point_columns): the point, the optimizer, then the method and the adapters'
     settings where they are keys."""

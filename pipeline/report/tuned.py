@@ -357,7 +357,9 @@ def format_tuned(table: pd.DataFrame, columns: list[str] | None = None) -> pd.Da
 
 
 def tuned_console(table: pd.DataFrame) -> str:
-    """The short tuned table printed with the comparison (the quality metric read off the Δ column)."""
-    delta = next(c for c in table if c.startswith("Δ test "))
-    columns = ["best lr", "edge", delta.removeprefix("Δ "), delta, "p (Welch)", "n vs baseline [seeds]"]
-    return format_tuned(table, [*columns, "steps to target [steps]"]).to_string(index=False)
+    """The short tuned table printed with the comparison: the first test figure, its Δ against the baseline
+    where there is one (tuned.csv read back leaves an empty Δ out), the steps to the target."""
+    test = next(c for c in table if c.startswith("test ") and not c.endswith(" std"))
+    columns = ["best lr", "edge", test, f"Δ {test}", "p (Welch)", "n vs baseline [seeds]"]
+    columns = [c for c in [*columns, "steps to target [steps]"] if c in table]
+    return format_tuned(table, columns).to_string(index=False)
