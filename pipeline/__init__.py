@@ -45,6 +45,10 @@ def reference_lr(lr: float, *, _root_) -> float:
 # task=causal_lm: what becomes of the data's label column (each run's tag `labels`, and a sweep's console once)
 LABELS_IGNORED = "ignored: task=causal_lm trains on the text column alone, the next tokens its labels"
 
+# a language model whose final loss (eval, else training) is at least this share of a uniform guess's, ln(vocabulary
+# size), hardly learned: its run is tagged hardly_learned=true (metric loss_vs_uniform), the report marks its row
+HARDLY_LEARNED = 0.8
+
 # what optim=custom builds when neither custom_optim nor optim.target is set
 CUSTOM_DEFAULT = "torch.optim.AdamW"
 

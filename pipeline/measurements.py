@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline import (
+    HARDLY_LEARNED,
     LABELS_IGNORED,
     MB,
     StateSize,
@@ -40,11 +41,6 @@ def job_tags(spec, device: str) -> dict[str, str]:
     if spec.compiles_step and not spec.compiled_on(torch.device(device).type):
         tags["optim_compiled"] = "false: eager on CPU, where the tensor-level peak tracker is active"
     return tags
-
-
-# a language model whose final loss (eval, else training) is at least this share of a uniform guess's, ln(vocabulary
-# size), is tagged hardly_learned=true
-HARDLY_LEARNED = 0.8
 
 
 def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:

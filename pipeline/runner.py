@@ -45,7 +45,8 @@ def run_name(cfg: DictConfig) -> str:
     if cfg.get("plan"):
         what = f"plan-bs{cfg.batch_size}" + (f"-{cfg.device_memory}" if cfg.device_memory else "")
     optim = cfg.optim.name + method_suffix(cfg)
-    name = f"{optim}-{cfg.model.name}-{cfg.data.name}-{cfg.backend.name}-{what}-s{cfg.seed}"
+    data = "" if cfg.get("plan") else f"-{cfg.data.name}"  # a plan reads no data
+    name = f"{optim}-{cfg.model.name}{data}-{cfg.backend.name}-{what}-s{cfg.seed}"
     nproc = cfg.launcher.get("nproc_per_job", 1)
     if nproc != 1:  # a multi-process job: its ranks and sharding
         name += f"-x{nproc}" + (

@@ -334,6 +334,13 @@ def sweep_tasks(config: DictConfig) -> list[str]:
     return list(dict.fromkeys(swept)) if swept else [str(OmegaConf.select(config, "task.name"))]
 
 
+def labels_ignored(config: DictConfig) -> bool:
+    """Whether a language model of the sweep trains on data that has a label column (data.label_column not
+    null), which it ignores: a plan reads no data."""
+    label = OmegaConf.select(config, "data.label_column", default="label")
+    return "causal_lm" in sweep_tasks(config) and not config.get("plan") and label is not None
+
+
 def sweep_metric(config: DictConfig) -> str:
     """What the sweep's jobs are ranked by (its parent run's tag browse.METRIC_TAG, its saved view's order):
     `loss` (eval_loss, lowest first) where every point is a language model's (task=causal_lm), else the
@@ -446,7 +453,7 @@ class SweepCallback(Callback):
         print(
             f"[sweep] MLflow parent run {parent} in {tracker.uri} (experiment {config.tracking.experiment})"
         )
-        if "causal_lm" in sweep_tasks(config):  # once for the sweep, not once per job
+        if labels_ignored(config):  # once for the sweep, not once per job
             print(LABELS_LINE)
         from pipeline.report import plots
 

@@ -16,7 +16,7 @@ from pipeline.report.render import console_text, write_report
 from pipeline.report.tables import plan_table
 from pipeline.report.tuned import tuned_section
 from pipeline.report.verdict import plan_console
-from pipeline.sweep import LABELS_LINE, summary_table, sweep_metric, sweep_tasks
+from pipeline.sweep import LABELS_LINE, labels_ignored, summary_table, sweep_metric, sweep_tasks
 from pipeline.tracking import VIEW_TAG
 from tests.conftest import CONF, run_cli, store, sweep_runs
 
@@ -119,6 +119,20 @@ def test_a_language_models_report_shows_its_loss_perplexity_and_next_token_accur
     assert set(csv.task) == {"causal_lm"}
     assert (tmp_path / "perplexity_vs_peak.png").exists() and not (tmp_path / "f1_vs_peak.png").exists()
     assert "Pareto front, language model (no other point has less peak memory and a lower perplexity)" in page
+
+
+def test_a_language_model_that_hardly_learned_is_marked_in_the_report_as_a_collapsed_classifier_is(tmp_path):
+    """Metric loss_vs_uniform at HARDLY_LEARNED or above (AdamW's two runs, one of Adafactor's): each row's
+    optimizer carries the mark on the console and in report.md, the note under the table says what it means;
+    runs recorded without the metric are marked nowhere (the other tests' jobs)."""
+    share = {("adamw", 0): 0.99, ("adamw", 1): 0.99, ("adafactor", 0): 0.99, ("adafactor", 1): 0.5}
+    jobs = lm_jobs().assign(loss_vs_uniform=[share[o, s] for o, s in zip(lm_jobs().optim, lm_jobs().seed)])
+    table = report.compare(jobs)
+    assert table.set_index("optim")["hardly learned [runs]"].to_dict() == {"adamw": 2, "adafactor": 1}
+    write_report(tmp_path, "t", ["note"], jobs, table, pd.DataFrame())
+    for text in (console_text(tmp_path, table), (tmp_path / "report.md").read_text()):
+        assert "adamw (hardly learned)" in text and "adafactor (hardly learned 1 of 2)" in text
+        assert "(hardly learned): the run's final loss is at least 80% of a uniform guess's" in text
 
 
 def test_a_sweep_of_both_tasks_gives_one_table_per_task_each_against_its_own_adamw(tmp_path):
@@ -318,6 +332,13 @@ def test_a_language_models_rate_is_the_one_with_the_lowest_validation_loss(tmp_p
 def hydra_cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_a_sweep_says_labels_are_ignored_only_where_a_language_model_reads_a_label_column():
+    assert labels_ignored(hydra_cfg("task=causal_lm", "model=llama-tiny"))  # the packaged reviews' labels
+    assert not labels_ignored(hydra_cfg("task=causal_lm", "data=csv", "data.label_column=null"))
+    assert not labels_ignored(hydra_cfg("task=causal_lm", "model=llama-tiny", "plan=true"))  # reads no data
+    assert not labels_ignored(hydra_cfg())  # a classifier's labels are its own
 
 
 def test_a_language_model_sweep_is_ranked_by_its_eval_loss_lowest_first():

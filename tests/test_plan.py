@@ -321,3 +321,10 @@ def test_a_single_plan_prints_its_table_and_verdict(tmp_path):
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("verdict: ")]
     assert line.startswith("verdict: fits 60 MB at batch 16: adamw (largest ")
     assert "tiny: 1,0" in proc.stdout and " parameters (0.00 B)" in proc.stdout
+
+
+def test_a_plan_run_is_named_without_the_data_it_does_not_read():
+    from pipeline.runner import run_name
+
+    assert run_name(compose_cfg("plan=true", "model=tiny")) == "adamw-tiny-trainer-plan-bs16-s0"
+    assert run_name(compose_cfg("model=tiny")) == "adamw-tiny-rotten_tomatoes-trainer-bs16-s0"

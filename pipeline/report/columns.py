@@ -68,6 +68,9 @@ PEFT_COLUMNS = {
 PEFT_DECISION = ["trainable params"]
 DELTAS = {"state": "state [MB]", "peak": "peak [MB]"}
 SEEDS = "n [seeds]"
+HARDLY = (
+    "hardly learned [runs]"  # of a language model's row's runs, those whose loss is near a uniform guess's
+)
 COLLAPSED = "collapsed [runs]"  # of a row's runs, those whose predictions fell (nearly) all in one class
 KEY_LABELS = {
     "optim": "optimizer",

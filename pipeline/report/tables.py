@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from pipeline import HARDLY_LEARNED
 from pipeline.report.columns import (
     BASELINE,
     CAUSAL_LM,
@@ -19,6 +20,7 @@ from pipeline.report.columns import (
     FIT_KEYS,
     FULL,
     GROUP,
+    HARDLY,
     KEY_LABELS,
     METHOD,
     OTHER_SETTINGS,
@@ -67,7 +69,7 @@ def by_task(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     parts = []
     for task in tasks_in(frame):
         other = [c for t, cs in TASK_COLUMNS.items() if t != task for c in cs]
-        other += [COLLAPSED] if task == CAUSAL_LM else []
+        other += [COLLAPSED] if task == CAUSAL_LM else [HARDLY]
         drop = [c for c in frame if c in other or c.removesuffix(" std") in other]
         parts.append((task, frame[tasks.eq(task)].drop(columns=drop).reset_index(drop=True)))
     return parts
@@ -182,10 +184,14 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
     # class balance's, not a trained model's
     collapsed = done.collapsed.astype("boolean").fillna(False).astype(int) if "collapsed" in done else 0
     runs_collapsed = done[keys].assign(c=collapsed).groupby(keys, dropna=False).c.sum().rename(COLLAPSED)
+    # a language model's runs whose loss stayed near a uniform guess's (metric loss_vs_uniform)
+    hardly = done.reindex(columns=["loss_vs_uniform"]).loss_vs_uniform.astype(float).ge(HARDLY_LEARNED)
+    runs_hardly = done[keys].assign(c=hardly.astype(int)).groupby(keys, dropna=False).c.sum().rename(HARDLY)
     table = pd.concat(
         [
             grouped.size().rename(SEEDS),
             runs_collapsed,
+            runs_hardly,
             grouped.mean(),
             grouped.std(ddof=1).add_suffix(" std"),
         ],
@@ -236,12 +242,16 @@ def compare(jobs: pd.DataFrame, baseline: str = BASELINE) -> pd.DataFrame:
         table = table.drop(columns=COLLAPSED)
     elif "task" in keys:
         table[COLLAPSED] = table[COLLAPSED].where(table.task.ne(CAUSAL_LM))
+        table[HARDLY] = table[HARDLY].where(table.task.eq(CAUSAL_LM))
+    if CAUSAL_LM not in present:
+        table = table.drop(columns=HARDLY)
     order = [
         *keys,
         *rate,
         "variant",
         SEEDS,
         COLLAPSED,
+        HARDLY,
         *PEFT_COLUMNS,
         "state [MB]",
         "estimated state [MB]",
@@ -268,19 +278,34 @@ def pareto_front(
     return pd.Series(~beats.any(axis=1), index=points.index).reindex(table.index, fill_value=False)
 
 
-def collapsed_mark(collapsed: int, runs: int) -> str:
-    """`collapsed` when every run of a row collapsed to one class, else `collapsed 1 of 3`."""
-    return "collapsed" if collapsed >= runs else f"collapsed {int(collapsed)} of {int(runs)}"
+# a row's marks: the column counting its marked runs -> (the mark, what it means under the table)
+MARKS = {
+    COLLAPSED: (
+        "collapsed",
+        "the run's predictions fell (nearly) all in one class (tag `collapsed`, eval.collapse_share): its F1 and "
+        "accuracy measure the class balance, not a trained model",
+    ),
+    HARDLY: (
+        "hardly learned",
+        f"the run's final loss is at least {HARDLY_LEARNED:.0%} of a uniform guess's, ln(vocabulary) (metric "
+        "`loss_vs_uniform`, tag `hardly_learned`): it has hardly left its start",
+    ),
+}
+
+
+def collapsed_mark(marked: int, runs: int, mark: str = "collapsed") -> str:
+    """`collapsed` when every run of a row is so marked, else `collapsed 1 of 3`."""
+    return mark if marked >= runs else f"{mark} {int(marked)} of {int(runs)}"
 
 
 def collapsed_note(table: pd.DataFrame) -> str | None:
-    """The line under a table whose rows carry `(collapsed)`; None when no run collapsed."""
-    if COLLAPSED not in table or not table[COLLAPSED].fillna(0).gt(0).any():
-        return None
-    return (
-        "(collapsed): the run's predictions fell (nearly) all in one class (tag `collapsed`, eval.collapse_share): "
-        "its F1 and accuracy measure the class balance, not a trained model"
-    )
+    """The lines under a table whose rows carry a mark (`(collapsed)`, `(hardly learned)`); None without."""
+    said = [
+        f"({mark}): {meaning}"
+        for column, (mark, meaning) in MARKS.items()
+        if column in table and table[column].fillna(0).gt(0).any()
+    ]
+    return "\n".join(said) or None
 
 
 def _fmt(value, spec: str = ".4g") -> str:
@@ -300,15 +325,16 @@ def format_table(table: pd.DataFrame, columns=None) -> pd.DataFrame:
             f"{o} ({v})" if isinstance(v, str) and v else o
             for o, v in zip(out[optimizer], table.variant, strict=True)
         ]
-    if COLLAPSED in table and table[COLLAPSED].fillna(0).gt(0).any():  # `adamw (collapsed)` wherever it shows
-        optimizer = KEY_LABELS["optim"]
-        out[optimizer] = [
-            f"{o} ({collapsed_mark(c, n)})" if c > 0 else o
-            for o, c, n in zip(out[optimizer], table[COLLAPSED].fillna(0), table[SEEDS], strict=True)
-        ]
+    for column, (mark, _) in MARKS.items():  # `adamw (collapsed)` wherever it shows
+        if column in table and table[column].fillna(0).gt(0).any():
+            optimizer = KEY_LABELS["optim"]
+            out[optimizer] = [
+                f"{o} ({collapsed_mark(c, n, mark)})" if c > 0 else o
+                for o, c, n in zip(out[optimizer], table[column].fillna(0), table[SEEDS], strict=True)
+            ]
     out[SEEDS] = table[SEEDS]
     after = table.columns[table.columns.get_loc(SEEDS) + 1 :]
-    for column in columns or [c for c in after if not c.endswith(" std") and c != COLLAPSED]:
+    for column in columns or [c for c in after if not c.endswith(" std") and c not in MARKS]:
         # a change in percent to two decimals (-99.77, -0.00, +0.00), any other change to 4 digits with its sign
         spec = (
             "+.2f"
