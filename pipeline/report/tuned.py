@@ -237,7 +237,9 @@ def against_baseline(runs: pd.DataFrame, points: list[str], column: str, baselin
 
 def mean_curves(history: pd.DataFrame, runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The validation series of `runs` (history: run_id, step, value), averaged over seeds by step: one row
-    per (`keys`, step) with mean, std and n."""
+    per (`keys`, step) with mean, std and n. A run validated once, at its end, has no series (eval.every_steps
+    was 0): its one value would read as a target reached at that step."""
+    history = history[history.groupby("run_id").step.transform("nunique") > 1]
     curves = history.merge(runs[["run_id", *keys]], on="run_id")
     curves = curves.groupby([*keys, "step"], dropna=False).value.agg(["mean", "std", "count"])
     return curves.rename(columns={"count": "n"}).reset_index()
