@@ -48,6 +48,7 @@ STARTER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available(
 # set by each child for itself (inductor reads its compile cache's folder as it compiles; only dynamo's precompile
 # cache, used with TORCH_CACHING_PRECOMPILE=1 alone, takes it at import)
 PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
+IMPORT_SET = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}  # scikit-learn's import sets them
 # overrides that decide whether a command's jobs start warm, or the environment they start in: a command with
 # one of them starts its starter once its config is composed (runner.prestart), not from its command line
 DECIDING = tuple(
@@ -76,11 +77,11 @@ _ahead = True  # whether the starter starts ahead of this command's first job (F
 
 
 def _shared(env: dict) -> dict:
-    """What a job's environment must share with the starter's to start warm: all of it, less PER_JOB and the
-    variables the launching process's MLflow client sets on itself as it opens the store (no job reads them:
-    the tracking settings, and the telemetry session id `_MLFLOW_TELEMETRY_SESSION_ID` where MLflow's
-    telemetry is on)."""
-    return {k: v for k, v in env.items() if k not in PER_JOB and not k.startswith(("MLFLOW_", "_MLFLOW_"))}
+    """What a job's environment must share with the starter's to start warm: all of it, less PER_JOB, what the
+    launching process's MLflow client sets on itself as it opens the store (the tracking settings, the telemetry
+    session id) and IMPORT_SET's values (Optuna's sweeper imports scikit-learn after the starter started)."""
+    kept = (k for k, v in env.items() if k not in PER_JOB and IMPORT_SET.get(k) != v)
+    return {k: env[k] for k in kept if not k.startswith(("MLFLOW_", "_MLFLOW_"))}
 
 
 def prestart(env: dict) -> bool:
@@ -385,9 +386,7 @@ class Job:
         if warm and not prestart(env):
             if _address is not None:
                 mine = _shared(env)
-                differ = sorted(
-                    k for k in set(mine) | set(_started_with) if mine.get(k) != _started_with.get(k)
-                )
+                differ = sorted(k for k in {*mine, *_started_with} if mine.get(k) != _started_with.get(k))
                 print(f"[job] {job_dir.name}: starts cold: its environment differs from the job starter's in "
                       f"{', '.join(differ)}", file=sys.stderr, flush=True)  # fmt: skip
         elif warm:

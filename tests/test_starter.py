@@ -500,3 +500,13 @@ def test_a_single_runs_job_trains_while_the_store_opens_and_a_rerun_of_its_point
     ) in again.stdout
     assert starter_processes(str(tmp_path))[1] == []  # killed before the command ended, or never forked
     assert [r.info.run_id for r in store(tmp_path).search_runs(["1"])] == [run.info.run_id]
+
+
+def test_what_scikit_learns_import_sets_on_itself_leaves_a_job_warm():
+    """A sweeper that imports scikit-learn once the starter has started (Optuna's) sets two variables on its
+    process with their defaults: its jobs share the starter's environment all the same; another value differs."""
+    from pipeline.starter import _shared
+
+    env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    assert _shared({**env, "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}) == _shared(env)
+    assert _shared({**env, "KMP_INIT_AT_FORK": "TRUE"}) != _shared(env)
