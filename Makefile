@@ -14,9 +14,6 @@ ARGS ?=
 MLFLOW_UI_URI ?= $(or $(MLFLOW_TRACKING_URI),sqlite:///outputs/mlflow.db)
 UI_PORT ?= 5000
 TEST_WORKERS ?= 2
-# make test-ci's: one more test file at once than 2 cores run, its worker sharing a core (tests/conftest.py): a
-# third of CI's wall time is waiting (services starting, time-outs, jobs' starts), which it fills
-CI_WORKERS ?= 3
 # make server: a team MLflow server (sqlite here; SERVER_STORE=postgresql://user@host:port/db for PostgreSQL, whose
 # driver the install brings: the extra [postgres]) on port 5000 of this host,
 # with logins (MLflow's basic-auth app: accounts in SERVER_AUTH_STORE), answering clients that reach it by one
@@ -74,7 +71,7 @@ test-slow: install
 # CI: make test and make test-slow (make test-cluster's tests among them) in one session, the files that hold slow
 # tests handed out first (tests/conftest.py); the 30 slowest listed at the end (where CI's time goes)
 test-ci: install
-	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(CI_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -m "not gpu and not matrix" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # line coverage of pipeline/ on CI's selection, commands and jobs included (pyproject.toml: [tool.coverage.run]);
 # about 1.3x test-ci's time -> the total line, docs/testing.md

@@ -85,13 +85,11 @@ def pytest_collection_modifyitems(config, items):
 def own_cores(worker: str | None, workers: int) -> None:
     """Under pytest-xdist (`make test` runs `-n 2`), each worker and every job it starts get their own share
     of the cores: torch's thread pools spin while they wait, so two of them on the same cores run several
-    times slower than one after the other. The jobs' thread count follows (pipeline.placement.cpu_threads).
-    More workers than cores (`make test-ci`'s 3 on 2): one core each, in turn, each job then one thread."""
+    times slower than one after the other. The jobs' thread count follows (pipeline.placement.cpu_threads)."""
     cores = sorted(os.sched_getaffinity(0))
-    if worker is None or workers < 2:
+    if worker is None or workers < 2 or len(cores) < workers:
         return
-    index = int(worker.removeprefix("gw"))
-    os.sched_setaffinity(0, cores[index::workers] if workers <= len(cores) else [cores[index % len(cores)]])
+    os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: workers])
 
 
 def selects_gpu_tests(markexpr: str) -> bool:
