@@ -244,3 +244,17 @@ def test_torchtunes_lora_recipe_fits_a_4090_and_a_70b_lora_fits_four_h100s_under
     base = 2 * m["model_num_params"] / MB  # bf16
     # a quarter of the base, and the units FSDP gathers (embeddings and head, two layers): under a third of it
     assert m["fits"] == 1 and base / 4 < m["predicted_peak_params_mb"] < base / 3
+
+
+LITGPT_LORA_A10G_MIB = 19.73e9 / MB  # litgpt's config hub: llama-3.1-8b/lora.yaml, max_memory_allocated / 1e9
+
+
+@pytest.mark.slow  # an 8B plan: about 5 s
+def test_litgpts_llama_lora_config_is_planned_within_5_percent_of_its_published_peak():
+    """litgpt's Llama-3.1-8B LoRA config (r=32, alpha 16 on q and v, bf16-true, AdamW, 1 x 512 tokens)."""
+    keys = ["plan=true", "task=causal_lm", "model=llama-3.1-8b", "peft=lora", "peft.r=32", "peft.alpha=16"]
+    keys += ["peft.dropout=0.05", "peft.target_modules=[q_proj,v_proj]", "optim=adamw", "batch_size=1"]
+    m = plan_job.plan_result(compose_cfg(*keys, "train.precision=bf16_pure", "train.max_length=512"))[
+        "metrics"
+    ]
+    assert abs(m["predicted_peak_mb"] / LITGPT_LORA_A10G_MIB - 1) <= 0.05, m["predicted_peak_mb"]
