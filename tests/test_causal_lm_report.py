@@ -126,7 +126,8 @@ def test_a_language_model_that_hardly_learned_is_marked_in_the_report_as_a_colla
     optimizer carries the mark on the console and in report.md, the note under the table says what it means;
     runs recorded without the metric are marked nowhere (the other tests' jobs)."""
     share = {("adamw", 0): 0.99, ("adamw", 1): 0.99, ("adafactor", 0): 0.99, ("adafactor", 1): 0.5}
-    jobs = lm_jobs().assign(loss_vs_uniform=[share[o, s] for o, s in zip(lm_jobs().optim, lm_jobs().seed)])
+    jobs = lm_jobs()
+    jobs["loss_vs_uniform"] = [share[o, s] for o, s in zip(jobs.optim, jobs.seed, strict=True)]
     table = report.compare(jobs)
     assert table.set_index("optim")["hardly learned [runs]"].to_dict() == {"adamw": 2, "adafactor": 1}
     write_report(tmp_path, "t", ["note"], jobs, table, pd.DataFrame())
