@@ -77,12 +77,11 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
 
 
 def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
-    """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of it
-    (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned again
-    with it; a sharding's smallest
-    number of ranks that fits and the largest batch per rank there, from the point's own plan; then the recipe,
-    the cheapest combination of them that fits (pipeline.recipe). A lever that cannot be planned is left out,
-    said in one line."""
+    """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of
+    it (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned
+    again with it; a sharding's smallest number of ranks that fits and the largest batch per rank there, from
+    the point's own plan; then the recipe, the cheapest combination of them that fits (pipeline.recipe). A
+    lever that cannot be planned is left out, said in one line."""
     from pipeline import levers, optimizers, recipe
 
     extra = prediction["workspaces"]
