@@ -47,9 +47,13 @@ def search(
     )
     chosen: list[str] = []
     best = (peak, 0)
+    seen = {frozenset([name]): found for name, found in singles.items()}  # each combination planned once
 
     def planned(names: list[str]) -> tuple[float, int]:
-        return singles[names[0]] if len(names) == 1 and names[0] in singles else plan_with(names)
+        key = frozenset(names)
+        if key not in seen:  # (the second round asks again of a lever tried beside the same levers)
+            seen[key] = plan_with(names)
+        return seen[key]
 
     # a second round: a lever that lowered nothing alone (the loss in pieces where the optimizer's step held the
     # peak) may lower the peak once the others have moved it

@@ -77,6 +77,23 @@ def test_an_optimizer_lever_replaces_the_other_and_nothing_fitting_says_the_smal
     assert recipe.kind_of("adamw_8bit", compose_cfg("optim=adafactor")) == recipe.OTHER
 
 
+def test_the_second_round_plans_no_combination_it_planned_already():
+    """Levers that lowered nothing beside the step inside backward, and nothing moved since: the second round
+    asks of them again, and nothing is planned twice."""
+    cfg = compose_cfg("task=causal_lm", "model=llama-tiny")
+    plan_with, asked = fake_plans({})
+    found = recipe.search(
+        cfg,
+        ["in_backward", "loss_chunks", "checkpointing"],
+        {"in_backward": (90.0, 0)},
+        plan_with,
+        10.0,
+        120.0,
+    )
+    assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 90.0}}
+    assert asked == [["in_backward", "loss_chunks"], ["in_backward", "checkpointing"]]
+
+
 BASE_8B = [
     "model=llama-3.1-8b",
     "task=causal_lm",
