@@ -29,7 +29,6 @@ QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection 
 PADDINGS = ("longest", "max_length")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")  # zero2: planned only (plan=true); training runs the others
 TRAINED_SHARDINGS = ("none", "zero1", "fsdp")
-OFFLOADS = ("none", "activations")  # train.offload: what is held on the host (pipeline.offload)
 MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need whole 2-D weights
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
@@ -143,7 +142,7 @@ CHOICES = {
     "train.precision": PRECISIONS,
     "train.padding": PADDINGS,
     "train.sharding": SHARDINGS,
-    "train.offload": OFFLOADS,
+    "train.offload": models.OFFLOADS,
     "launcher.name": LAUNCHERS,
     "model.attn_implementation": models.ATTENTION,
 }
@@ -298,16 +297,11 @@ def _check_peft(cfg: DictConfig) -> None:
     for key in ("peft.base_dtype", "peft.adapter_dtype"):
         _check_choice(cfg, key, adapters.WEIGHT_DTYPES)
     _check_weight_dtypes(cfg)
-    _check(
-        cfg,
-        "peft.target_modules",
-        lambda v: (
-            v is None
-            or v == adapters.ALL_LINEAR
-            or (not isinstance(v, str) and len(v) > 0 and all(isinstance(t, str) for t in v))
-        ),
-        f"must be null (the family's attention projections), {adapters.ALL_LINEAR} or a list of module names",
+    listed = lambda v: not isinstance(v, str) and len(v) > 0 and all(isinstance(t, str) for t in v)  # noqa: E731
+    rule = (
+        f"must be null (the family's attention projections), {adapters.ALL_LINEAR} or a list of module names"
     )
+    _check(cfg, "peft.target_modules", lambda v: v is None or v == adapters.ALL_LINEAR or listed(v), rule)
     if cfg.peft.target_modules is None:
         family = models.model_type(cfg.model)
         if family not in adapters.TARGETS:
@@ -328,6 +322,15 @@ def _check_peft(cfg: DictConfig) -> None:
                 f"with pip install -e '.[{EXTRA}]' (make install does)",
                 ("peft.name",),
             )
+    if cfg.train.get("offload", "none") != "none" and cfg.train.get("loss_chunks", 0):
+        why = (
+            "torch's checkpoint of the loss's pieces recomputes other tensors than it saved: drop one of them"
+        )
+        keys = ("train.offload", "peft.name", "train.loss_chunks")
+        raise ConfigError(
+            f"train.offload={cfg.train.offload} is invalid with peft={kind} and train.loss_chunks: {why}",
+            keys,
+        )
     if cfg.plan and cfg.train.sharding == "zero2":
         raise ConfigError(
             f"plan=true is invalid with peft={kind} and train.sharding=zero2: the plan counts shards of whole "

@@ -357,6 +357,7 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
 
 
+OFFLOADS = ("none", "activations")  # train.offload's values: what is held on the host (offload_activations)
 # model.attn_implementation's values (None: transformers' default)
 ATTENTION = (None, "sdpa", "eager", "flash_attention_2")
 

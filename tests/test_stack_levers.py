@@ -4,7 +4,7 @@ backends, against its plan, and what it saves against the same job without it.""
 import pytest
 import torch
 
-from pipeline import MB, models, optimizers, plan, plan_job
+from pipeline import MB, levers, models, optimizers, plan, plan_job
 from pipeline.config import ConfigError, validate
 from tests.conftest import ROOT, compose_cfg
 
@@ -195,7 +195,8 @@ def test_offloaded_activations_leave_the_device_and_take_the_host_as_planned(bac
 
 def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths(monkeypatch):
     """The host memory of a deep model's offloaded activations, planned from SHALLOW's two depths, is what the
-    forward pass at its own depth holds; a bad value of the key is one line."""
+    forward pass at its own depth holds; a bad value of the key, or the key beside adapters and the loss in
+    pieces, is one line."""
     cfg = compose_cfg(*LM, "train.offload=activations")
     config = plan_job.planned_config(cfg)
     config.num_hidden_layers = 8
@@ -205,6 +206,13 @@ def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths
     assert extrapolated == pytest.approx(plan.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
     with pytest.raises(ConfigError, match="train.offload='weights' is invalid"):
         validate(compose_cfg(*LM, "train.offload=weights"))
+    # with adapters and the loss in pieces, torch's checkpoint of the pieces fails: refused, and never a lever
+    adapted = (*LM, "peft=lora", "train.offload=activations", "train.loss_chunks=8")
+    with pytest.raises(
+        ConfigError, match="train.offload=activations is invalid with peft=lora and train.loss_chunks"
+    ):
+        validate(compose_cfg(*adapted))
+    assert "offload" not in levers.applicable(compose_cfg(*LM, "peft=lora"))
 
 
 TORCHTUNE_LORA_4090_MIB = 16.2 * 1024  # torchtune's README: Llama 3.1 8B, LoRA, 1x 4090, peak memory per GPU
