@@ -45,8 +45,8 @@ def _fake_model(
     times); with `peft` (memory_settings as JSON), wrapped in its adapters as a job wraps it."""
     from transformers import AutoConfig
 
-    from pipeline import adapters
-    from pipeline.models import auto_class, chunk_the_loss, offload_activations
+    from pipeline import adapters, offload
+    from pipeline.models import auto_class, chunk_the_loss
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -63,9 +63,9 @@ def _fake_model(
     with mode:
         model = auto_class(task).from_config(config, **kwargs)
         chunk_the_loss(model)  # config.loss_chunks, where a job sets it
-        offload_activations(model)  # config.offload_activations, likewise
         if peft is not None:
             model = _with_adapters(model, json.loads(peft), task)
+        offload.install(model)  # config.offload_activations, likewise (around the adapters' forward too)
     if checkpointing:  # as both backends turn it on (on the adapters' model, as a job does)
         from pipeline.backends import enable_checkpointing
 

@@ -217,7 +217,7 @@ def simulated_step(
             "rank_peaks": [r["peak"] for r in ranks],
             "activations": found["parts"]["activations"],
             "logits": found["parts"].get("logits"),  # a language model's only
-            "host": plan.host_mb(model_config, cfg, *batch, cuda, names),  # train.offload=activations
+            "host": found["host"],  # train.offload=activations
             "method": found["method"],
             # the largest batch whose peak fits `budget` MB (the paged state counted against it, as the probes do)
             **(

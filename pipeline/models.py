@@ -116,7 +116,6 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int) -> Built:
     model = load_model(cfg.model, len(label_names), label_names, cfg.task.name, device, dtype)
     model.config.pad_token_id = pad_token_id
     chunk_the_loss(model, cfg.train.get("loss_chunks", 0))
-    offload_activations(model, cfg.train.get("offload", "none") == "activations")
     if dtype is not None:  # pretrained weights come in their checkpoint's dtype
         model.to(dtype)
     vocab = vocab_size(model)
@@ -124,7 +123,11 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int) -> Built:
         model = adapters.apply(
             model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
         )
-    return Built(model, *adapters.figures(cfg, model), vocab, *adapters.model_size(model))
+    built = Built(model, *adapters.figures(cfg, model), vocab, *adapters.model_size(model))
+    from pipeline import offload
+
+    offload.install(model, cfg.train.get("offload", "none") == "activations")  # around the whole forward
+    return built
 
 
 class Built(NamedTuple):
@@ -165,27 +168,6 @@ def chunk_the_loss(model, chunks: int | None = None) -> None:
     if chunks:
         model.config.loss_chunks = chunks
         model.forward = types.MethodType(_chunked_forward, model)
-
-
-def offload_activations(model, on: bool | None = None) -> None:
-    """train.offload=activations: the model's forward run within pipeline.offload.OffloadedActivations, what
-    it saves for backward held on the host (the bytes: `model.host_offload`, a HostBytes). Kept as
-    config.offload_activations (in the plan's keys); None: the config's own (a plan's fake model)."""
-    import functools
-
-    from pipeline.offload import HostBytes, OffloadedActivations
-
-    if not (getattr(model.config, "offload_activations", False) if on is None else on):
-        return
-    model.config.offload_activations = True
-    held, forward = HostBytes(), model.forward
-
-    @functools.wraps(forward)
-    def offloaded(*args, **kwargs):
-        with OffloadedActivations(model, held):
-            return forward(*args, **kwargs)
-
-    model.forward, model.host_offload = offloaded, held
 
 
 def _chunked_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
@@ -357,7 +339,7 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
 
 
-OFFLOADS = ("none", "activations")  # train.offload's values: what is held on the host (offload_activations)
+OFFLOADS = ("none", "activations")  # train.offload's values: what is held on the host (pipeline.offload)
 # model.attn_implementation's values (None: transformers' default)
 ATTENTION = (None, "sdpa", "eager", "flash_attention_2")
 

@@ -11,6 +11,7 @@ a plan count what a GPU would hold on the device. The host bytes are counted apa
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -62,3 +63,20 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
             return host.to(device, non_blocking=True) if device.type == "cuda" else host.clone()
 
         super().__init__(pack, unpack)
+
+
+def install(model, on: bool | None = None) -> None:
+    """train.offload=activations: the model's forward (its adapters' included) run within OffloadedActivations,
+    the host bytes in `model.host_offload`. Kept as config.offload_activations (in the plan's keys); None: the
+    config's own (a plan's fake model)."""
+    if not (getattr(model.config, "offload_activations", False) if on is None else on):
+        return
+    model.config.offload_activations = True
+    held, forward = HostBytes(), model.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args, **kwargs):
+        with OffloadedActivations(model, held):
+            return forward(*args, **kwargs)
+
+    model.forward, model.host_offload = offloaded, held

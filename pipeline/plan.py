@@ -374,35 +374,13 @@ def _trace(
             handle.remove()
 
 
-def host_mb(model_config, cfg, batch: int, seq: int, cuda: bool, names=INPUT_NAMES) -> float | None:
-    """train.offload=activations: the host memory (MB) the saved activations of the job's pass take at their
-    most, the end of its forward pass (pipeline.offload.HostBytes); None where it offloads nothing."""
-    if not getattr(model_config, "offload_activations", False):
-        return None
-    checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
-    unmasked = unmasked_rows(cfg, model_config)
-    masked = unmasked == "none" or (unmasked == "one" and batch > 1)
-    settings = (
-        cfg.train.precision,
-        checkpointing,
-        batch,
-        seq,
-        names,
-        cuda,
-        cfg.task.name,
-        peft_settings(cfg),
-    )
-    return offloaded_mb(model_config, *settings, masked)
-
-
-def offloaded_mb(
-    model_config, precision, checkpointing, batch, seq, names, cuda, task, peft, masked
-) -> float:
-    """What `host_mb` says, on the fake model: at its own depth, or at SHALLOW's two depths and extrapolated to
-    its own (each layer saves the same)."""
+def offloaded_mb(build, model_config, task, batch, seq, names, cuda, precision, masked) -> float:
+    """train.offload=activations: the host memory (MB) the saved activations of a pass take at their most, the
+    end of its forward pass (pipeline.offload.HostBytes), on the fake model `build(config)` makes: at its own
+    depth, or at SHALLOW's two depths and extrapolated to its own (each layer saves the same)."""
     held = []
     for config in _shallow_pair(model_config, task) or [model_config]:
-        mode, model = fake_model(config, precision, checkpointing, task, peft)
+        mode, model = build(config)
         inputs, counter = _inputs(mode, batch, seq, names, task), model.host_offload
         before = counter.peak = counter.live
         with mode, cuda_kernels() if cuda else contextlib.nullcontext(), _autocast(precision):
@@ -564,6 +542,10 @@ def simulate(
     state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
     args = (store, cuda, task, peft, unmasked, (base, cfg, settings) if in_backward else None)
     steps = profile(model_config, precision, checkpointing, seq, names, *args)
+    host = None  # train.offload=activations: what the pass holds on the host
+    if getattr(model.config, "offload_activations", False):
+        masked = unmasked == "none" or (unmasked == "one" and batch > 1)
+        host = offloaded_mb(job.build, model_config, task, batch, seq, names, cuda, precision, masked)
     fb = reported(steps.parts(batch), vocab)
     # step 2's pass holds the state and makes each step: no step over all gradients (a step that cannot run on
     # fake tensors leaves the pass without state: below)
@@ -602,6 +584,7 @@ def simulate(
         "profile": steps,
         "vocab": vocab,
         "workspaces": extra,
+        "host": host,  # (MB; None where nothing is offloaded)
         # what the pass's Profile leaves out and the device holds beside it (largest_batch)
         "beside_pass": sum(at_fb.values()) - sum(fb.values()) + extra,
     }

@@ -183,7 +183,6 @@ def plan_result(cfg) -> dict:
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
     prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
     model = prediction["model"]
-    host = plan.host_mb(config, cfg, cfg.batch_size, seq, cuda, names)  # train.offload=activations
     # as a job counts them (adapters.model_size): a 4-bit weight (peft=qlora) the weights it packs
     num_params = sum(adapters.weights(p) for p in model.parameters())
     metrics = {
@@ -201,7 +200,7 @@ def plan_result(cfg) -> dict:
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
         # train.offload=activations: what they hold on the host, beside the device's peak
-        **({} if host is None else {"predicted_host_mb": host}),
+        **({} if prediction["host"] is None else {"predicted_host_mb": prediction["host"]}),
         **logits_metrics(prediction, cfg.batch_size),
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),
         "bytes_rule_mb": predict.bytes_rule_mb(num_params),

@@ -200,7 +200,8 @@ def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths
     cfg = compose_cfg(*LM, "train.offload=activations")
     config = plan_job.planned_config(cfg)
     config.num_hidden_layers = 8
-    args = (config, "fp32", False, 2, 64, plan.INPUT_NAMES, False, "causal_lm", None, True)
+    build = plan.job_model(config, cfg).build
+    args = (build, config, "causal_lm", 2, 64, plan.INPUT_NAMES, False, "fp32", True)
     extrapolated = plan.offloaded_mb(*args)
     monkeypatch.setattr(plan, "_shallow_pair", lambda *a, **k: None)
     assert extrapolated == pytest.approx(plan.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
