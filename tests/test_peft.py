@@ -1,6 +1,7 @@
 """peft=lora / qlora: the trainable count by hand, optimizer state = estimate on the adapters, the 4-bit base's
 bytes by formula, the runs' figures, the combinations rejected in one line, peft=none's points unchanged."""
 
+import functools
 from math import ceil
 
 import pytest
@@ -377,8 +378,7 @@ def test_under_bf16_the_trained_model_has_a_bf16_base_and_fp32_adapters_and_stat
     """The recipe peft users run, read off the model each backend trained: the frozen base bf16 (QLoRA's
     unquantized layers; its Linear layers 4-bit, computing in bf16), every trainable weight fp32, its gradient
     and AdamW state fp32; the run's params say so."""
-    from pipeline import backends, data, job
-    from pipeline.timing import StepTimer
+    from pipeline import backends, data, job, measurements
     from tests.conftest import TINY
 
     cfg = compose_cfg(
@@ -392,8 +392,9 @@ def test_under_bf16_the_trained_model_has_a_bf16_base_and_fp32_adapters_and_stat
     tokenizer, splits, model = job.load(cfg)
     choice = optimizers.choose(cfg)
     collate = data.PaddingCollator(tokenizer, cfg.train.padding, cfg.train.max_length)
-    with StepTimer(model) as timer:
-        out = backends.get(backend).train(cfg, model, splits, choice.spec, collate, tmp_path, evaluate=False)
+    train = functools.partial(backends.get(backend).train, evaluate=False)
+    trained_run = backends.run(cfg, choice.spec, model, splits, collate, tmp_path, train=train)
+    out = trained_run.output
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad and not adapters.is_4bit(p)]
     assert trained and frozen
@@ -405,15 +406,8 @@ def test_under_bf16_the_trained_model_has_a_bf16_base_and_fp32_adapters_and_stat
     if peft == "qlora":
         layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
         assert layers and {m.compute_dtype for m in layers} == {torch.bfloat16}
-    params = measurements_params(cfg, choice, model, splits, collate, out, timer, tmp_path)
-    assert (params["base_dtype"], params["trainable_dtype"]) == ("bf16", "fp32")
-
-
-def measurements_params(cfg, choice, model, splits, collate, out, timer, job_dir) -> dict:
-    from pipeline import backends, measurements, models
-
     built = models.Built(
         model, *adapters.figures(cfg, model), models.vocab_size(model), *adapters.model_size(model)
     )
-    trained = backends.measured(cfg, model, out, timer, collate, job_dir)
-    return measurements.training_result(cfg, choice, built, splits, trained)["params"]
+    params = measurements.training_result(cfg, choice, built, splits, trained_run)["params"]
+    assert (params["base_dtype"], params["trainable_dtype"]) == ("bf16", "fp32")

@@ -228,17 +228,20 @@ class Trained:
     ranks: object = None
 
 
-def run(cfg, spec, model, splits, collate, job_dir) -> Trained:
-    """The train stage: the backend (`backend.name`) trains the model `train.max_steps` steps with the optimizer
-    `spec` on the splits as `collate` pads them (pipeline.data.PaddingCollator), its steps timed, then reads what
-    each rank measured (`measured`); with find_batch_size=true it searches the largest batch that fits instead
-    (pipeline.batch_size)."""
+def run(cfg, spec, model, splits, collate, job_dir, train=None) -> Trained:
+    """The train stage: the backend (`backend.name`; or `train`, a function of the backends' `train` signature)
+    trains the model `train.max_steps` steps with the optimizer `spec` on the splits as `collate` pads them
+    (pipeline.data.PaddingCollator), its steps timed; then what this rank measured is read once, from what holds
+    it (its optimizer's state, the peaks, its batches' tokens, its steps' times), and every rank's record is
+    gathered on every rank (one collective: every rank calls it). With find_batch_size=true it searches the
+    largest batch that fits instead (pipeline.batch_size)."""
     import torch
 
-    from pipeline import batch_size
-    from pipeline.timing import StepTimer
+    from pipeline import batch_size, distributed
+    from pipeline.state import optimizer_state_size, paged_state_size
+    from pipeline.timing import StepTimer, peak_flops, warmup_steps
 
-    train = get(cfg.backend.name).train
+    train = train or get(cfg.backend.name).train
     if cfg.find_batch_size:
         if cfg.memory_budget_mb is None and not torch.cuda.is_available():
             raise ValueError(
@@ -252,17 +255,6 @@ def run(cfg, spec, model, splits, collate, job_dir) -> Trained:
         return Trained(collate=collate, largest=largest, probes=probes)
     with StepTimer(model) as timer:
         output = train(cfg, model, splits, spec, collate, job_dir)
-    return measured(cfg, model, output, timer, collate, job_dir)
-
-
-def measured(cfg, model, output: TrainOutput, timer, collate, job_dir) -> Trained:
-    """What this rank measured, read once after training from what holds it (its optimizer's state, the peaks,
-    its batches' tokens, its steps' times), and every rank's record, gathered on every rank (one collective:
-    every rank calls it)."""
-    from pipeline import distributed
-    from pipeline.state import optimizer_state_size, paged_state_size
-    from pipeline.timing import peak_flops, warmup_steps
-
     state, paged = optimizer_state_size(output.optimizer), paged_state_size(output.optimizer)
     record = {
         "optimizer_state_bytes": state.bytes,
