@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 from pipeline import adapters, models
+from pipeline.checkpoint import valid_every
 from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY, header
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
 from pipeline.quiet import LEVELS
@@ -38,8 +39,8 @@ TRACKING_KEYS = ("tracking.uri", "outputs_dir")  # what the store check reads
 
 
 class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the value and what is allowed. `keys` are
-    the config keys the verdict depends on: a sweep that varies none of them fails as a whole (fail_fast)."""
+    """A config value that cannot work, named with what is allowed; `keys`: the keys the verdict depends on (a
+    sweep that varies none of them fails as a whole: fail_fast)."""
 
     def __init__(self, message: str, keys: tuple[str, ...] = ()):
         super().__init__(message)
@@ -72,9 +73,8 @@ def allowed(value, names) -> str:
 
 
 def search_dirs(argv: list[str]) -> tuple[list[Path], bool]:
-    """conf/ and the folders a `hydra.searchpath=[file://<folder>]` override adds (a user's own optim configs,
-    docs/optimizers.md#bring-your-own), and whether that is all of them: False when it also names another
-    kind of source (pkg://), which only Hydra reads."""
+    """conf/ and the folders a `hydra.searchpath=[file://<folder>]` override adds (one's own optim configs), and
+    whether that is all of them: False when it also names another kind of source (pkg://), which only Hydra reads."""
     dirs, complete = [CONF_DIR], True
     for arg in argv:
         match = re.fullmatch(r"\+{0,2}hydra\.searchpath=\[?(.*?)\]?", arg)
@@ -525,6 +525,7 @@ def _checks(cfg: DictConfig) -> Iterator[Callable[[], None]]:
     yield partial(_check_in_backward, cfg)
     yield partial(_check_flash_attention, cfg)
     yield partial(_check, cfg, "seed", lambda v: isinstance(v, int) and v >= 0, "must be an integer >= 0")
+    yield partial(_check, cfg, "train.checkpoint_every", valid_every, "N (steps), Nmin (minutes) or none")
     # task=causal_lm's, which train.lr reads
     if OmegaConf.select(cfg, "task.random_weights_lr_scale") is not None:
         yield partial(_check, cfg, "task.random_weights_lr_scale", _positive_number, "must be a number > 0")

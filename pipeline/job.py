@@ -59,10 +59,17 @@ def run(cfg: DictConfig, job_dir: Path) -> dict:
 
 
 def failure_info(err: BaseException) -> dict:
-    """Why a job failed (`oom`, `nan_loss` or `exception`) and the figures that explain it."""
+    """Why a job failed (`oom`, `nan_loss`, `preempted` or `exception`) and the figures that explain it (a
+    stopped job: the losses and validation figures of its steps so far, as series)."""
     import torch
 
     from pipeline.backends import NonFiniteLoss
+    from pipeline.checkpoint import Preempted
+
+    if isinstance(err, Preempted):
+        metrics = {"train_loss_final": err.losses[-1]} if err.losses else {}
+        series = {"train_loss": err.losses, **{f"val_{k}": v for k, v in err.val_series.items()}}
+        return {"reason": "preempted", "metrics": metrics, "series": series}
 
     if isinstance(err, torch.OutOfMemoryError):
         if hasattr(err, "figures_mb"):  # the CPU budget
@@ -160,12 +167,14 @@ def run_description(metrics: dict, tags: dict | None = None) -> str:
 
 
 def main(job_dir: Path) -> int:
-    from pipeline import distributed, quiet, starter
+    from pipeline import checkpoint, distributed, quiet, starter
 
     starter.die_with_parent()
     quiet.install()  # before torch, transformers and torchao log anything
     cfg = OmegaConf.load(job_dir / CONFIG_FILE)
     rank = int(os.environ.get("RANK", "0"))  # a job of several processes: only rank 0 reports
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # SIGTERM: stop at the end of a step, checkpointed
+        checkpoint.listen()
     try:
         distributed.check_world_size(cfg, "environment")  # as many processes as the config says, or none
         result = run(cfg, job_dir)
@@ -175,7 +184,8 @@ def main(job_dir: Path) -> int:
         if rank == 0:
             (job_dir / ERROR_FILE).write_text(f"{summary}\n\n{traceback.format_exc()}")
             (job_dir / FAILURE_FILE).write_text(json.dumps(failure_info(err)))
-        traceback.print_exc()
+        if not isinstance(err, checkpoint.Preempted):  # (a stop is no error: its line says it)
+            traceback.print_exc()
         return 1
     if rank != 0:
         return 0

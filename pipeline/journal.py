@@ -23,7 +23,8 @@ from pipeline.tracking import DESCRIPTION, Tracker
 
 UNRECORDED_FILE = "unrecorded.json"
 RECORD_KEY = "record_key"  # tag of a run created from an entry: a second `record` finds it instead of a twin
-KILLED_BY = {"cancelled": "KILLED"}  # failure reasons that end a run KILLED (a person stopped it), not FAILED
+# failure reasons that end a run KILLED (a person or a scheduler stopped it), not FAILED
+KILLED_BY = {"cancelled": "KILLED", "preempted": "KILLED"}
 
 
 def status_of(failure_reason: str | None) -> str:
@@ -71,7 +72,9 @@ def entry(
         "params": params,
         "start_time": start_time,
         "end_time": now_ms(),
-        "failure": None if failure is None else {"reason": failure.reason, "metrics": failure.metrics},
+        "failure": None
+        if failure is None
+        else {"reason": failure.reason, "metrics": failure.metrics, "series": failure.series},
         "replaces": replaces,
     }
 
@@ -136,6 +139,23 @@ def _run_id(tracker: Tracker, record: dict) -> str:
     )
 
 
+def not_logged(tracker: Tracker, run, series: dict | None) -> dict | None:
+    """`series` less the steps `run` holds already (a run resumed from a checkpoint holds those of the steps
+    before it)."""
+    if not series or not any(key in run.data.metrics for key in series):
+        return series
+    kept = {}
+    for key, values in series.items():
+        steps = values.items() if isinstance(values, dict) else enumerate(values, start=1)
+        logged = (
+            {m.step for m in tracker.client.get_metric_history(run.info.run_id, key)}
+            if key in run.data.metrics
+            else set()
+        )
+        kept[key] = {int(step): v for step, v in steps if int(step) not in logged}
+    return kept
+
+
 def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     """Put a job's waiting outcome in the store and remove its entry; (run id, status). Idempotent: a run the
     store already holds with an outcome is left as it is (awaits_outcome)."""
@@ -144,7 +164,8 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
     run_id = _run_id(tracker, entry_)
     failure = entry_["failure"]
     status = status_of(failure and failure["reason"])
-    if awaits_outcome(tracker.client.get_run(run_id)):
+    run = tracker.client.get_run(run_id)
+    if awaits_outcome(run):
         # the params and tags the run opened with, and those known only once the job ran (how its process
         # started, the result's), all in one call
         params, tags = entry_["params"], entry_["tags"]
@@ -156,13 +177,14 @@ def record(tracker: Tracker, job_dir: Path) -> tuple[str, str]:
             metrics = {**metrics, **display_metrics(metrics)}
         else:
             summary = (job_dir / ERROR_FILE).read_text().strip().splitlines()[0]
-            metrics, series = failure["metrics"], None
+            metrics, series = failure["metrics"], failure.get("series")
             tags = {
                 **tags,
                 "error": summary,
                 "failure_reason": failure["reason"],
-                DESCRIPTION: f"FAILED: {failure['reason']}: {summary}",
+                DESCRIPTION: f"{status}: {failure['reason']}: {summary}",
             }
+        series = not_logged(tracker, run, series)
         tracker.log(run_id, metrics, series, params, tags, timestamp=entry_["end_time"])
         tracker.log_artifact(run_id, job_dir / CONFIG_FILE)
         if failure is not None:

@@ -301,6 +301,24 @@ def rank_tokens(records: list[dict], window: tuple | None) -> list[dict]:
     return counted
 
 
+def segment_figures(out, tags: dict) -> dict:
+    """A run resumed from a checkpoint trained in segments: how many, its peak the largest of theirs (tag
+    `segments` lists each one's steps, peak and time; the throughput, the breakdown and the plan's comparison
+    are the last segment's); what its checkpoints cost (count, seconds in all, MB of the last one)."""
+    metrics = {}
+    if len(out.segments) > 1:
+        metrics["segments"] = len(out.segments)
+        metrics["peak_memory_mb"] = max(s["peak_memory_mb"] for s in out.segments)
+        tags["segments"] = "; ".join(
+            f"steps {s['first_step']}-{s['last_step']}: peak {s['peak_memory_mb']:.1f} MB, {s['train_runtime_s']:.1f} s"
+            for s in out.segments
+        )
+    if out.checkpoints:
+        c = out.checkpoints
+        metrics |= {"checkpoints": c["count"], "checkpoint_s": c["seconds"], "checkpoint_mb": c["mb"]}
+    return metrics
+
+
 def training_result(cfg, choice, built, splits, trained) -> dict:
     """The record of a training job (rank 0's is the one the runner logs): what the train stage measured
     (pipeline.backends.Trained) beside the plan's prediction; `choice`: the registry's answer for the job
@@ -349,6 +367,7 @@ def training_result(cfg, choice, built, splits, trained) -> dict:
         **ranks.metrics,
     }
     tags |= {**speed_tags, "peak_breakdown": breakdown}
+    metrics |= segment_figures(out, tags)
     shares = [m["top_class_share"] for m in (out.eval_metrics, out.val_metrics) if "top_class_share" in m]
     if shares:  # (nearly) every prediction in one class: binary F1 flatters such a model
         tags["collapsed"] = str(max(shares) >= cfg.eval.get("collapse_share", 0.95)).lower()

@@ -126,9 +126,11 @@ class Outcome:
 
 @dataclass
 class Failure:
-    reason: str  # config | exception | nan_loss | oom | killed
+    reason: str  # config | exception | nan_loss | oom | killed | preempted
     text: str  # a one-line summary, then details (the traceback)
     metrics: dict = field(default_factory=dict)  # figures at the time (e.g. memory at an out-of-memory)
+    series: dict | None = None  # a stopped job's: its steps' losses so far
+    stop: BaseException | None = None  # the signal that stopped the job: the sweep stops once it is recorded
 
     @property
     def summary(self) -> str:
@@ -142,7 +144,7 @@ class Failure:
 
 def job_env(cfg: DictConfig, ranks: dict) -> dict[str, str]:
     """The environment of a job's process(es), less its GPUs (the sweep's pool hands them out per job)."""
-    from pipeline import cache, placement, quiet, starter
+    from pipeline import cache, checkpoint, placement, quiet, starter
 
     # torch.compile's cache (torchao optimizers compile their step) is shared by the jobs of all sweeps; what
     # the environment sets wins
@@ -150,6 +152,7 @@ def job_env(cfg: DictConfig, ranks: dict) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(cache.folder(cfg.outputs_dir, "torchinductor")),
         **starter.base_env(quiet.log_level(cfg)),
         **ranks,
+        checkpoint.ENV: str(checkpoints_dir(cfg)),
     }
     n_jobs, nproc = cfg.launcher.n_jobs, cfg.launcher.nproc_per_job
     if n_jobs > 1 or nproc > 1:  # jobs side by side split the cores instead of fighting over them
@@ -213,6 +216,13 @@ def job_outcome(cfg: DictConfig, job_dir: Path, job) -> tuple[Failure | None, st
     """Wait for a job's end (a pipeline.starter.Job): (None on success, else its failure; how it started)."""
     try:
         returncode = job.wait()
+    except KeyboardInterrupt as err:
+        # SIGTERM: the job was asked to stop at the end of its step, and it stopped (starter.Job.kill)
+        failure = exit_failure(job_dir, job.status) if job.status is not None else None
+        if failure is None or failure.reason != "preempted":
+            raise
+        failure.stop = err
+        return failure, job.how
     except Exception as err:  # submitit's time-limit signal handler raised here (the job is killed)
         if type(err).__name__ != "UncompletedJobError":
             raise
@@ -259,7 +269,9 @@ def exit_failure(job_dir: Path, returncode: int) -> Failure | None:
         return None
     if (job_dir / FAILURE_FILE).exists():
         info = json.loads((job_dir / FAILURE_FILE).read_text())
-        return Failure(info["reason"], (job_dir / ERROR_FILE).read_text(), info["metrics"])
+        return Failure(
+            info["reason"], (job_dir / ERROR_FILE).read_text(), info["metrics"], info.get("series")
+        )
     if returncode < 0:
         return Failure("killed", f"job process was killed by signal {signal.Signals(-returncode).name}")
     return Failure("exception", f"job process exited with {returncode} and no error report")
@@ -296,6 +308,7 @@ def config_hash(cfg: DictConfig) -> str:
     # other points it selects nothing
     for key in ("outputs_dir", "tracking", "force", "launcher", "log_level", "custom_optim"):
         point.pop(key, None)
+    point["train"].pop("checkpoint_every", None)  # how often it is saved: not what it trains
     point["optim"].pop("lr_tuned", None)  # where the reference rate came from, not a setting
     # keys added later count only when set, so points recorded before them are still recognised
     if point["train"].get("sharding") == "none":
@@ -375,6 +388,37 @@ def requeued_run(tracker, experiment_id: str, tags: dict) -> str | None:
     tracker.log(runs[0].info.run_id, tags={"slurm_restarts": tags["slurm_restarts"]})
     print(f"[job] requeued by SLURM: recording into run {runs[0].info.run_id} again", flush=True)
     return runs[0].info.run_id
+
+
+def checkpoints_dir(cfg: DictConfig) -> Path:
+    """Where a point's checkpoints go (pipeline.checkpoint): one folder per config hash."""
+    return Path(cfg.outputs_dir).resolve() / "checkpoints" / config_hash(cfg)
+
+
+def resumed_run(tracker, experiment_id: str, cfg: DictConfig, tags: dict, parent: str | None) -> str | None:
+    """The run of this point that a stop ended (failure reason `preempted`) where a checkpoint of it waits:
+    it opens again, under this sweep's `parent` run, and the job resumes into it."""
+    from pipeline.checkpoint import Checkpoints
+
+    saves = Checkpoints(checkpoints_dir(cfg))
+    if saves.latest() is None:
+        return None
+    runs = tracker.client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.config_hash = '{tags['config_hash']}' and tags.failure_reason = 'preempted'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        return None
+    run_id = runs[0].info.run_id
+    tracker.client.update_run(run_id, status="RUNNING")
+    for tag in ("failure_reason", "error"):
+        tracker.client.delete_tag(run_id, tag)
+    # this process's now: its job folder, its liveness, its scheduler's ids, its sweep
+    tracker.log(run_id, tags={**tags, **({"mlflow.parentRunId": parent} if parent else {})})
+    print(f"[job] resuming run {run_id} from its checkpoint at step {saves.meta['step']}", flush=True)
+    return run_id
 
 
 def save_config(cfg: DictConfig, job_dir: Path) -> None:
@@ -555,8 +599,10 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
     }
     start, run_id = early[0] if early else journal.now_ms(), None
     try:  # the run opens now, so that the UI shows it while it trains; a store away opens it when recorded
-        run_id = requeued_run(tracker, experiment_id, tags) or tracker.start_run(
-            experiment_id, name, parent_run_id, tags, start_time=start
+        run_id = (
+            requeued_run(tracker, experiment_id, tags)
+            or resumed_run(tracker, experiment_id, cfg, tags, parent_run_id)
+            or tracker.start_run(experiment_id, name, parent_run_id, tags, start_time=start)
         )
         print(f"[job] {name}: {ui_url(tracker.uri, experiment_id, run_id)}", flush=True)
         tracker.log(run_id, params=job_params(cfg))
@@ -614,6 +660,11 @@ def record(cfg: DictConfig, sweep: dict | None, job_dir: Path, early: tuple | No
                 flush=True,
             )
             return Outcome(name, "UNRECORDED", score, reason=f"waits in {job_dir}")
+        if failure is not None and failure.reason == "preempted" and cfg.launcher.name == "slurm":
+            slurm_stop(cfg)  # requeued: this start waits for SLURM to end it, the next resumes into its run
+        if failure is not None and failure.stop is not None:  # recorded: the sweep stops as it was asked
+            print(f"[job] {name} KILLED ({failure.line}); the same command resumes it", file=sys.stderr)
+            raise failure.stop
         if failure is None:
             if cfg.plan and not sweep:  # a single plan's answer (a sweep's comes in its report)
                 print(plan_text(cfg, result))

@@ -6,23 +6,20 @@ Warm (`launcher.start_jobs=warm`, the default for the local and parallel launche
 modules: seconds), then forks a fresh child per job (milliseconds). It starts as the command does where the
 command line shows a warm start (prestart_from_command), else once the config is composed; a sweep whose points
 were all FINISHED when the same command last ended (FINISHED_NOTE) starts it only with a job that runs (ahead).
-The child has its own allocator, peak statistics and caches, and the command's console, folder and environment;
-a crash, `os._exit`, a signal or the out-of-memory killer ends that child alone, and the starter reports its exit
-status (negative: the signal) as the operating system does. Cold (`launcher.start_jobs=cold`): `python -m
-pipeline.job JOB_DIR`. A job of several ranks (torchrun) or started by a scheduler (submitit) starts cold.
+The child has its own allocator, peak statistics, caches, console, folder and environment; whatever ends it
+ends it alone, and the starter reports its exit status as the operating system does. Cold
+(`launcher.start_jobs=cold`): `python -m pipeline.job JOB_DIR`, as is a job of several ranks or a scheduler's.
 
 A starter serves every command of the same user, interpreter, folder, environment, pipeline source, installed
 libraries and CPU set (its socket's name is a digest of them: ADDRESS_DIR) while one of them runs, then
 $PIPELINE_STARTER_KEEP_S seconds more (KEEP_ENV; default 0). Kept, the next command's jobs start without waiting
 for the imports. A command killed outright (SIGKILL) takes its running job with it.
 
-CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD imports only modules whose import
-leaves the driver alone on a CUDA build (pipeline.preload); torch's availability checks in the starter go through
-NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1). Should CUDA be initialised all the same, the starter serves no job: it
-writes why in its log (REFUSED) and ends, and the command's jobs start cold with that line (a later command of
-the same address reads the log and starts cold at once). Each child sets its whole environment (PER_JOB: its
-GPUs, threads) before any torch work, and a child forked from a process with CUDA initialised exits with
-BAD_FORK, and its command starts it again cold (Job.wait). A job whose environment differs from the starter's in
+CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD's imports leave the driver alone
+(pipeline.preload), availability checks go through NVML. Should CUDA be initialised all the same, the starter
+serves no job, writes why in its log (REFUSED) and ends; the jobs start cold. Each child sets its whole
+environment (PER_JOB: its GPUs, threads) before any torch work, and a child forked from a process with CUDA
+initialised exits with BAD_FORK, and its command starts it again cold (Job.wait). A job whose environment differs from the starter's in
 more than PER_JOB (a swept `log_level`) starts cold.
 """
 
@@ -47,7 +44,8 @@ PRELOAD = "pipeline.preload"  # the module the starter imports once (torch, tran
 STARTER_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # torch.cuda.is_available() without the driver
 # set by each child for itself (inductor reads its compile cache's folder as it compiles; only dynamo's precompile
 # cache, used with TORCH_CACHING_PRECOMPILE=1 alone, takes it at import)
-PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
+PER_JOB = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR", "PIPELINE_CHECKPOINTS")
+STOP_WAIT_S = 60  # a job sent SIGTERM (pipeline.checkpoint) has this long to checkpoint and stop
 IMPORT_SET = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}  # scikit-learn's import sets them
 # overrides that decide whether a command's jobs start warm, or the environment they start in: a command with
 # one of them starts its starter once its config is composed (runner.prestart), not from its command line
@@ -138,8 +136,7 @@ def _folder() -> Path:
 
 def finished_note(args: list[str]) -> Path:
     """Where a sweep's command notes that its points were all FINISHED as it ended: named by a digest of what
-    decides its points and where they are looked up (the interpreter, the folder, the arguments, the
-    environment less PER_JOB and MLflow's own, the pipeline's source, the conf files)."""
+    decides its points and where they are looked up (the stamp below)."""
     from pipeline import cache
 
     stamp = [
@@ -176,9 +173,7 @@ def refusal(path: str) -> str | None:
 
 def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
     """Whether this process has initialised CUDA (or was forked from one that had), as torch says, or as the
-    driver says: a CUDA runtime call that leaves torch's flags unset (cudaGetDeviceCount) initialises it too. Its
-    library merely loaded is not that (a CUDA build of torch loads it at import): where this process's memory
-    map (`maps`) holds the library, the library is asked (driver_initialised)."""
+    driver says where this process's memory map (`maps`) holds it (a runtime call initialises it unseen)."""
     import torch
 
     if torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork():
@@ -195,9 +190,8 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 def driver_initialised(library: str) -> bool:
-    """Whether the CUDA driver `library`, loaded in this process, has been initialised (cuInit): until then each
-    of its other entry points, cuDeviceGetCount here, answers CUDA_ERROR_NOT_INITIALIZED and initialises
-    nothing. A library that cannot be asked counts as initialised: its jobs start cold, which always works."""
+    """Whether the CUDA driver `library` has been initialised (cuInit): until then cuDeviceGetCount answers
+    CUDA_ERROR_NOT_INITIALIZED. A library that cannot be asked counts as initialised (its jobs start cold)."""
     import ctypes
 
     try:
@@ -211,10 +205,7 @@ def driver_initialised(library: str) -> bool:
 def keep_seconds(env: dict) -> float:
     """$PIPELINE_STARTER_KEEP_S of `env`: seconds >= 0 (unset or empty: 0)."""
     text = env.get(KEEP_ENV) or "0"
-    try:
-        keep = float(text)
-    except ValueError:
-        keep = -1
+    keep = float(text) if text.replace(".", "", 1).isdigit() else -1
     if not keep >= 0:
         raise ValueError(f"{KEEP_ENV}={text} is invalid: a number of seconds >= 0 (0: the job starter ends with "
                          "the last command it served)")  # fmt: skip
@@ -444,8 +435,8 @@ class Job:
             if self.status == BAD_FORK and self.popen is None:  # forked after CUDA's initialisation: cold
                 self._restart_cold()
                 self.status = self._status()
-        except BaseException:
-            self.kill()
+        except BaseException as err:
+            self.kill(ask_first=str(err) == "signal SIGTERM")
             raise
         finally:
             if self.sock is not None and self.status is not None:
@@ -464,14 +455,23 @@ class Job:
         self._cold()
         self.how = "cold"
 
-    def kill(self) -> None:
-        """End the job where it still runs (SIGKILL to its process group) and wait for that end. A warm job the
-        starter has not forked yet is ended by the starter: the connection its request came on closes."""
+    def kill(self, ask_first: bool = False) -> None:
+        """End the job where it still runs (SIGKILL to its process group) and wait for that end; `ask_first`:
+        SIGTERM first, and up to STOP_WAIT_S for it to end by itself. A warm job the starter has not forked yet
+        is ended by the starter: the connection its request came on closes."""
         if self.status is None and self.popen is None and self.sock is not None:
             if self.pid is None:  # forked already: its pid came back
                 self.pid = self._reply()
             if self.pid is not None:  # ended already: its exit status came back too (nothing to kill)
                 self.status = self._reply()
+        if self.status is None and self.pid is not None and ask_first:
+            os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired, TimeoutError):
+                if self.sock is not None:
+                    self.sock.settimeout(STOP_WAIT_S)
+                self.status = self.popen.wait(STOP_WAIT_S) if self.popen is not None else self._status()
+            if self.sock is not None:
+                self.sock.settimeout(None)
         if self.status is None and self.pid is not None:
             _kill(self.pid)
             self.status = self._status()

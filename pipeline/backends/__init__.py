@@ -30,6 +30,10 @@ class TrainOutput:
     # with eval.every_steps=N: each validation figure at steps N, 2N, ... before the last ({step: value})
     val_series: dict[str, dict[int, float]] = field(default_factory=dict)
     eval_runtime_s: float = 0.0  # wall time of the evaluations after training (test and validation splits)
+    # a run resumed from a checkpoint: each segment's steps, peak and time (pipeline.checkpoint); what its
+    # checkpoints cost (count, seconds, MB of the last); None where it wrote none
+    segments: list[dict] = field(default_factory=list)
+    checkpoints: dict | None = None
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -138,6 +142,29 @@ def language_model_metrics(loss: float, accuracy: float) -> dict[str, float]:
     batches of each batch's mean next-token cross-entropy, as the Trainer's eval_loss), and next-token
     accuracy."""
     return {"perplexity": math.exp(loss) if loss < 700 else math.inf, "next_token_accuracy": accuracy}
+
+
+def restored(meta: dict, collate, losses: StepLosses, val_series: dict) -> None:
+    """What the steps before a checkpoint recorded (its pipeline.json), back in place: their losses, their
+    batches' tokens, the validation series."""
+    collate.batches[: len(meta["batches"])] = [tuple(b) for b in meta["batches"]]  # (a replay made them too)
+    losses.values = list(meta["losses"])
+    val_series.update({k: {int(s): v for s, v in steps.items()} for k, steps in meta["val_series"].items()})
+
+
+def stopped(saves, step: int, write, collate, losses: StepLosses, val_series, peak, runtime_s, first) -> None:
+    """The end of `step` where a checkpoint is due (saves.due) or the job was asked to stop: the checkpoint
+    (`write(folder)` the backend's state, beside it what the record needs of the steps so far), then, where
+    asked to stop, pipeline.checkpoint.Preempted."""
+    from pipeline import checkpoint
+
+    saved = None
+    if saves.due(step):
+        peak_mb = peak.metrics()["peak_memory_mb"]
+        meta = {"losses": losses.read(), "batches": collate.batches[:step], "val_series": val_series}
+        saved = saves.save(step, write, {**meta, "segments": saves.segments(peak_mb, runtime_s, first, step)})
+    if checkpoint.stop_asked():
+        raise checkpoint.Preempted(step, saved, losses.read(), val_series)
 
 
 def training_memory(cfg, spec, device, model):
@@ -266,6 +293,9 @@ def run(cfg, spec, model, splits, collate, job_dir, train=None) -> Trained:
     }
     ranks = distributed.gather(cfg, model, record, job_dir)
     steady = timer.figures(warmup_steps(cfg))
+    before = output.segments[-1]["first_step"] - 1 if output.segments else 0  # steps of earlier segments
+    if before and steady["window"] is not None:  # the window's steps as the run counts them
+        steady["window"] = (steady["window"][0] + before, steady["window"][1] + before, steady["window"][2])
     peak = peak_flops(output.device, cfg.train.precision, cfg.outputs_dir)
     return Trained(output, collate, state=state, paged=paged, steady=steady, peak_flops=peak, ranks=ranks)
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from pipeline import distributed
+from pipeline import checkpoint, distributed
 from pipeline.backends import (
     StepLosses,
     TrainOutput,
@@ -23,6 +23,8 @@ from pipeline.backends import (
     enable_checkpointing,
     language_model_metrics,
     optimizer_step_mode,
+    restored,
+    stopped,
     training_memory,
 )
 from pipeline.data import IGNORE_INDEX
@@ -106,6 +108,35 @@ def update_in_backward(accelerator, loss, optimizer, scheduler, spec) -> None:
         accelerator.backward(loss)
 
 
+def save_state(model, optimizer, scheduler, folder: Path) -> None:
+    """The Accelerate loop's checkpoint: the trained weights (a LoRA run's adapters and head; every weight in
+    full fine-tuning), the optimizer's and the schedule's state, the random streams."""
+    weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    state = {"weights": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    torch.save({**state, "rng": checkpoint.rng_states()}, folder / "state.pt")
+
+
+def resume(saves, model, optimizer, scheduler, data, collate, losses, val_series) -> int:
+    """The first step to train: 1, or the step after the latest checkpoint, whose state is loaded back. The
+    data order is replayed up to it (its batches drawn as before: the same order, the same draws of the random
+    streams), then the random streams are set as they were at the checkpoint."""
+    found = saves.latest()
+    if found is None:
+        return 1
+    state = torch.load(found / "state.pt", weights_only=False)
+    unexpected = model.load_state_dict(state["weights"], strict=False).unexpected_keys
+    if unexpected:
+        raise ValueError(f"checkpoint {found} holds weights this model lacks: {unexpected[:3]}")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    for _ in range(saves.meta["step"]):
+        next(data)
+    restored(saves.meta, collate, losses, val_series)
+    checkpoint.set_rng_states(state["rng"])
+    print(f"[job] resumed from {found} at step {saves.meta['step'] + 1}", flush=True)
+    return saves.meta["step"] + 1
+
+
 def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = True) -> TrainOutput:
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
@@ -165,16 +196,25 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
+    saves = checkpoint.Checkpoints.of_job(cfg, bool(spec.in_backward))
+    data = batches(train_loader, cfg.train.max_steps)
+    first = resume(
+        saves, accelerator.unwrap_model(model), optimizer, scheduler, data, collate, losses, val_series
+    )
     with (
         training_memory(cfg, spec, accelerator.device, model) as peak,
         optimizer_step_mode(spec, accelerator.device),
         # closed on an exception too (out of memory, NaN): what is printed next starts on its own line
         tqdm(
-            total=cfg.train.max_steps, desc="train", disable=not accelerator.is_main_process, delay=0
+            total=cfg.train.max_steps,
+            initial=first - 1,
+            desc="train",
+            disable=not accelerator.is_main_process,
+            delay=0,
         ) as progress,
     ):
         start = time.perf_counter()
-        for step, batch in enumerate(batches(train_loader, cfg.train.max_steps), start=1):
+        for step, batch in enumerate(data, start=first):
             loss = model(**batch).loss
             # kept on the device: read every LOSS_READ_STEPS steps (a NaN stops the run there)
             losses.add(loss)
@@ -195,6 +235,11 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
                     accelerator, model, optimizer, val_loader, spec, splits, "val"
                 ).items():
                     val_series.setdefault(key, {})[step] = value
+            if saves.due(step) or checkpoint.stop_asked():
+                save = functools.partial(save_state, accelerator.unwrap_model(model), optimizer, scheduler)
+                stopped(
+                    saves, step, save, collate, losses, val_series, peak, time.perf_counter() - start, first
+                )
         losses.read()  # the steps since the last reading (the loop's time includes the device's last step)
         runtime = time.perf_counter() - start
 
@@ -205,6 +250,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         if evaluate and val_loader is not None
         else {}
     )
+    saves.finished()
     return TrainOutput(
         optimizer=distributed.local_optimizer(optimizer.optimizer),  # unwrap AcceleratedOptimizer (and ZeRO)
         losses=losses.values,
@@ -215,4 +261,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         val_metrics=val_metrics,
         val_series=val_series,
         eval_runtime_s=time.perf_counter() - start,
+        segments=saves.segments(peak.metrics()["peak_memory_mb"], runtime, first, cfg.train.max_steps),
+        checkpoints=saves.meta.get("checkpoints"),
     )

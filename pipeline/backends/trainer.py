@@ -12,7 +12,7 @@ from transformers.trainer_pt_utils import nested_gather
 from transformers.trainer_utils import has_length
 from transformers.training_args import ParallelMode
 
-from pipeline import learning_rate, quiet
+from pipeline import checkpoint, learning_rate, quiet
 from pipeline.backends import (
     CHECKPOINTING_KWARGS,
     StepLosses,
@@ -24,6 +24,7 @@ from pipeline.backends import (
     metric_keys,
     next_token_accuracy,
     optimizer_step_mode,
+    restored,
     training_memory,
 )
 
@@ -33,25 +34,46 @@ class LossKeepingTrainer(Trainer):
     gradient accumulation here) on the device in `step_losses`: its own logging would read the loss and the
     gradient norm at every logged step."""
 
-    def __init__(self, *args, step_losses: StepLosses, **kwargs):
+    def __init__(self, *args, step_losses: StepLosses, saves: checkpoint.Checkpoints, **kwargs):
         super().__init__(*args, **kwargs)
-        self.step_losses = step_losses
+        self.step_losses, self.saves = step_losses, saves
+        self.meta = None  # step -> what pipeline.json keeps of the steps so far (set once training starts)
+        self._writing: Path | None = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_losses.add(loss)
         return loss
 
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's own checkpoint (weights, or a peft model's adapters; optimizer, schedule, random
+        streams, its state), written whole or not at all (pipeline.checkpoint.Checkpoints.save)."""
+
+        def write(folder: Path) -> None:
+            self._writing = folder
+            try:
+                super(LossKeepingTrainer, self)._save_checkpoint(model, trial)
+            finally:
+                self._writing = None
+
+        self.saves.save(self.state.global_step, write, self.meta(self.state.global_step))
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._writing) if self._writing is not None else super()._get_output_dir(trial)
+
 
 class ReadLosses(TrainerCallback):
     """Reads the kept losses every LOSS_READ_STEPS steps, after the optimizer step (StepLosses.step_ended): a
-    NaN or infinite loss ends the training there."""
+    NaN or infinite loss ends the training there. A checkpoint due at this step is saved, and a job asked to
+    stop stops (pipeline.checkpoint)."""
 
-    def __init__(self, step_losses: StepLosses):
-        self.step_losses = step_losses
+    def __init__(self, step_losses: StepLosses, saves: checkpoint.Checkpoints):
+        self.step_losses, self.saves = step_losses, saves
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_losses.step_ended()
+        control.should_save = self.saves.due(state.global_step)
+        control.should_training_stop = control.should_training_stop or checkpoint.stop_asked()
 
 
 def mean_over_ranks(args: TrainingArguments):
@@ -189,6 +211,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     )
     check_device(spec, args.device)
     step_losses = StepLosses(mean_over_ranks(args))
+    saves = checkpoint.Checkpoints.of_job(cfg, bool(spec.in_backward))
+    found = saves.latest()
     trainer = LossKeepingTrainer(
         model=model,
         args=args,
@@ -197,8 +221,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         data_collator=collate,
         **quality(splits),
         optimizers=(None, None) if optim else (spec.build(model, cfg), None),
-        callbacks=[ReadLosses(step_losses)],
+        callbacks=[ReadLosses(step_losses, saves)],
         step_losses=step_losses,
+        saves=saves,
     )
     if quiet.is_quiet():
         trainer.remove_callback(ProgressCallback)
@@ -207,9 +232,25 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     with training_memory(cfg, spec, args.device, model) as peak, optimizer_step_mode(spec, args.device):
         if spec.in_backward:
             trainer.add_callback(UpdatedInBackward(peak))
-        start = time.perf_counter()
+        start, first, resume = time.perf_counter(), 1, None
+        if found is not None:  # the Trainer's own resume: its state, the data order, the random streams
+            restored(saves.meta, collate, step_losses, {})
+            first, resume = saves.meta["step"] + 1, str(next(found.glob("checkpoint-*")))
+            print(f"[job] resumed from {found} at step {first}", flush=True)
+
+        def meta(step: int) -> dict:  # (the validation series are in the Trainer's state)
+            peak_mb, took = peak.metrics()["peak_memory_mb"], time.perf_counter() - start
+            segments = saves.segments(peak_mb, took, first, step)
+            return {
+                "losses": step_losses.read(),
+                "batches": collate.batches[:step],
+                "val_series": {},
+                "segments": segments,
+            }
+
+        trainer.meta = meta
         try:
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume)
             step_losses.read()  # the steps since the last reading
         except BaseException:
             close_progress_bars(trainer)
@@ -223,6 +264,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
             for key in keys:
                 if f"eval_{key}" in entry:
                     val_series.setdefault(key, {})[entry["step"]] = entry[f"eval_{key}"]
+    if checkpoint.stop_asked():
+        step = trainer.state.global_step
+        saved = saves.latest() if saves.meta.get("step") == step else None
+        raise checkpoint.Preempted(step, saved, step_losses.values, val_series)
 
     def evaluated(dataset, prefix: str) -> dict[str, float]:
         for callback in trainer.callback_handler.callbacks:  # its bar's name
@@ -231,6 +276,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         metrics = with_perplexity(trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix), prefix)
         return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 
+    saves.finished()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     start = time.perf_counter()
     eval_metrics = evaluated(splits.eval, "eval") if evaluate else {}
@@ -246,4 +292,6 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         val_metrics=val_metrics,
         val_series=val_series,
         eval_runtime_s=time.perf_counter() - start,
+        segments=saves.segments(peak.metrics()["peak_memory_mb"], runtime, first, cfg.train.max_steps),
+        checkpoints=saves.meta.get("checkpoints"),
     )
