@@ -1,5 +1,5 @@
 """A training run's checkpoints, and its stop at a step boundary when the job is asked to stop (SIGTERM: a
-scheduler preempting it, `kill`, the sweep stopped).
+scheduler preempting it, `kill`, the sweep stopped; SIGUSR2: SLURM's warning before the time limit).
 
 A job's checkpoints live in the folder of its point (<outputs_dir>/checkpoints/<config hash>, which the runner
 hands the job process in PIPELINE_CHECKPOINTS), one subfolder per checkpoint, `step-<N>`, of which the last
@@ -38,13 +38,16 @@ class Preempted(Exception):
 
     def __init__(self, step: int, saved: Path | None, losses: list[float], val_series: dict):
         where = f"checkpoint {saved}" if saved else "no checkpoint (train.checkpoint_every=none)"
-        super().__init__(f"stopped by SIGTERM at the end of step {step}: {where}")
+        by = signal.Signals(_asked[0]).name if _asked else "a stop signal"
+        super().__init__(f"stopped by {by} at the end of step {step}: {where}")
         self.step, self.saved, self.losses, self.val_series = step, saved, losses, val_series
 
 
 def listen() -> None:
-    """In the job process: SIGTERM asks the training to stop at the end of its current step."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: _asked.append(signum))
+    """In the job process: SIGTERM, or SLURM's warning before the time limit (SIGUSR2, submitit's), asks the
+    training to stop at the end of its current step."""
+    for stop in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(stop, lambda signum, frame: _asked.append(signum))
 
 
 def stop_asked() -> bool:

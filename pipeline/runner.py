@@ -223,9 +223,13 @@ def job_outcome(cfg: DictConfig, job_dir: Path, job) -> tuple[Failure | None, st
             raise
         failure.stop = err
         return failure, job.how
-    except Exception as err:  # submitit's time-limit signal handler raised here (the job is killed)
+    except Exception as err:  # submitit's time-limit signal handler raised here (the job was asked to stop)
         if type(err).__name__ != "UncompletedJobError":
             raise
+        stopped = exit_failure(job_dir, job.status) if job.status is not None else None
+        if stopped is not None and stopped.reason == "preempted":  # at the end of a step, checkpointed
+            text = f"{time_limit_text(cfg, str(err))}; {stopped.text}"
+            return Failure("time_limit", text, stopped.metrics, stopped.series), job.how
         return Failure("time_limit", time_limit_text(cfg, str(err))), job.how
     if cfg.launcher.name == "slurm" and returncode == -signal.SIGTERM:
         return slurm_stop(cfg), job.how
@@ -396,8 +400,8 @@ def checkpoints_dir(cfg: DictConfig) -> Path:
 
 
 def resumed_run(tracker, experiment_id: str, cfg: DictConfig, tags: dict, parent: str | None) -> str | None:
-    """The run of this point that a stop ended (failure reason `preempted`) where a checkpoint of it waits:
-    it opens again, under this sweep's `parent` run, and the job resumes into it."""
+    """The latest run of this point, where a stop ended it (failure reason `preempted`, or `time_limit`) and a
+    checkpoint of it waits: it opens again, under this sweep's `parent` run, and the job resumes into it."""
     from pipeline.checkpoint import Checkpoints
 
     saves = Checkpoints(checkpoints_dir(cfg))
@@ -405,11 +409,11 @@ def resumed_run(tracker, experiment_id: str, cfg: DictConfig, tags: dict, parent
         return None
     runs = tracker.client.search_runs(
         [experiment_id],
-        filter_string=f"tags.config_hash = '{tags['config_hash']}' and tags.failure_reason = 'preempted'",
+        filter_string=f"tags.config_hash = '{tags['config_hash']}'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
-    if not runs:
+    if not runs or runs[0].data.tags.get("failure_reason") not in ("preempted", "time_limit"):
         return None
     run_id = runs[0].info.run_id
     tracker.client.update_run(run_id, status="RUNNING")

@@ -436,7 +436,8 @@ class Job:
                 self._restart_cold()
                 self.status = self._status()
         except BaseException as err:
-            self.kill(ask_first=str(err) == "signal SIGTERM")
+            # SIGTERM, or submitit's time-limit warning: the job stops by itself at the end of its step
+            self.kill(ask_first=str(err) == "signal SIGTERM" or type(err).__name__ == "UncompletedJobError")
             raise
         finally:
             if self.sock is not None and self.status is not None:

@@ -166,6 +166,10 @@ def test_jobs_at_their_time_limit_are_failed_with_that_reason_and_the_sweep_ends
         assert run.data.tags["error"].startswith(
             "SLURM's time limit reached (hydra.launcher.timeout_min=1: raise it for this job)"
         )
+        # submitit's warning stopped the job at the end of a step, checkpointed: the same command resumes it
+        assert "stopped by SIGUSR2 at the end of step" in run.data.tags["error"], run.data.tags["error"]
+        assert store(tmp_path).get_metric_history(run.info.run_id, "train_loss")
+    assert len(list(tmp_path.glob("checkpoints/*/step-*"))) == 2
     assert "[sweep] 2 jobs: 0 finished, 2 failed" in proc.stdout
     assert "Traceback" not in proc.stderr
     # SLURM lists a job it stopped at its limit until the job's processes are gone (completing): on a loaded
