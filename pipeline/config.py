@@ -322,15 +322,6 @@ def _check_peft(cfg: DictConfig) -> None:
                 f"with pip install -e '.[{EXTRA}]' (make install does)",
                 ("peft.name",),
             )
-    if cfg.train.get("offload", "none") != "none" and cfg.train.get("loss_chunks", 0):
-        why = (
-            "torch's checkpoint of the loss's pieces recomputes other tensors than it saved: drop one of them"
-        )
-        keys = ("train.offload", "peft.name", "train.loss_chunks")
-        raise ConfigError(
-            f"train.offload={cfg.train.offload} is invalid with peft={kind} and train.loss_chunks: {why}",
-            keys,
-        )
     if cfg.plan and cfg.train.sharding == "zero2":
         raise ConfigError(
             f"plan=true is invalid with peft={kind} and train.sharding=zero2: the plan counts shards of whole "

@@ -90,9 +90,7 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["checkpointing"] = {"train.gradient_checkpointing": True}
     if peak_in_pass and cfg.task.name == "causal_lm" and not cfg.train.get("loss_chunks", 0):
         found["loss_chunks"] = {"train.loss_chunks": 8}
-    # (not beside adapters on a language model: a job refuses it with the loss in pieces, that model's lever)
-    lm_adapters = method != "none" and cfg.task.name == "causal_lm"
-    if peak_in_pass and cfg.train.get("offload", "none") == "none" and not lm_adapters:
+    if peak_in_pass and cfg.train.get("offload", "none") == "none":
         found["offload"] = {"train.offload": "activations"}
     one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
     if one_process and not cfg.train.get("optimizer_in_backward") and not spec_for(cfg.optim).in_backward:

@@ -183,7 +183,10 @@ def _chunked_forward(self, input_ids=None, attention_mask=None, labels=None, **k
     hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
     following = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # each position's next token
     head, chunks = self.get_output_embeddings(), self.config.loss_chunks
-    pieces = zip(hidden.chunk(chunks, dim=1), following.chunk(chunks, dim=1), strict=True)
+    # each piece contiguous: the copy checkpoint keeps of it (train.offload's too) is, so its recomputation runs
+    # the head's matmul as its forward did (on a strided piece torch picks another kernel, and checkpoint fails)
+    hiddens = (h.contiguous() for h in hidden.chunk(chunks, dim=1))
+    pieces = zip(hiddens, following.chunk(chunks, dim=1), strict=True)
     total = sum(checkpoint(_summed_loss, head, h, y, use_reentrant=False) for h, y in pieces)
     count = (following != -100).sum() if num_items_in_batch is None else num_items_in_batch
     return CausalLMOutputWithPast(loss=total / count)

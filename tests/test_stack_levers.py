@@ -173,7 +173,7 @@ def test_the_step_inside_backward_refuses_clipping_and_an_optimizer_that_is_ther
 def test_offloaded_activations_leave_the_device_and_take_the_host_as_planned(backend, tmp_path):
     """train.offload=activations: llama-tiny (8 x 256 tokens, bf16 weights, its loss in 8 pieces) with what its
     forward pass saves held on the host: the measured device peak within 1% of the plan, below the same job's
-    without it by its activations, to 1% (the saved tensors a GPU would no longer hold), the host memory they
+    without it by its activations, to 2% (the saved tensors a GPU would no longer hold), the host memory they
     take as planned, and the same training loss."""
     from bench.plan_accuracy_lm import case
 
@@ -185,7 +185,8 @@ def test_offloaded_activations_leave_the_device_and_take_the_host_as_planned(bac
     )
     assert abs(on["predicted_peak_error_pct"]) <= 1, on
     saved = off["peak_activations_mb"] - on["peak_activations_mb"]
-    assert off["peak_memory_mb"] - on["peak_memory_mb"] == pytest.approx(saved, rel=0.01)
+    # (to 2%: each piece of the loss is copied whole before it is saved, which moves 0.2 MB between parts)
+    assert off["peak_memory_mb"] - on["peak_memory_mb"] == pytest.approx(saved, rel=0.02)
     assert on["peak_activations_mb"] < 0.01 * off["peak_activations_mb"]
     # (to a few bytes: the Trainer's token count, a scalar the loss is divided by, is saved too)
     assert on["peak_host_mb"] == pytest.approx(on["predicted_host_mb"], abs=100 / MB)
@@ -195,8 +196,8 @@ def test_offloaded_activations_leave_the_device_and_take_the_host_as_planned(bac
 
 def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths(monkeypatch):
     """The host memory of a deep model's offloaded activations, planned from SHALLOW's two depths, is what the
-    forward pass at its own depth holds; a bad value of the key, or the key beside adapters and the loss in
-    pieces, is one line."""
+    forward pass at its own depth holds; a bad value of the key is one line; adapters on a language model have
+    the lever too."""
     cfg = compose_cfg(*LM, "train.offload=activations")
     config = plan_job.planned_config(cfg)
     config.num_hidden_layers = 8
@@ -207,13 +208,20 @@ def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths
     assert extrapolated == pytest.approx(plan.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
     with pytest.raises(ConfigError, match="train.offload='weights' is invalid"):
         validate(compose_cfg(*LM, "train.offload=weights"))
-    # with adapters and the loss in pieces, torch's checkpoint of the pieces fails: refused, and never a lever
-    adapted = (*LM, "peft=lora", "train.offload=activations", "train.loss_chunks=8")
-    with pytest.raises(
-        ConfigError, match="train.offload=activations is invalid with peft=lora and train.loss_chunks"
-    ):
-        validate(compose_cfg(*adapted))
-    assert "offload" not in levers.applicable(compose_cfg(*LM, "peft=lora"))
+    assert "offload" in levers.applicable(compose_cfg(*LM, "peft=lora"))
+
+
+@pytest.mark.slow  # one real job (4 steps, llama-tiny): about 5 s
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_offloaded_activations_beside_adapters_and_the_loss_in_pieces_train_as_planned(tmp_path):
+    """LoRA, the loss in 8 pieces and the activations on the host together: each piece's recomputation in
+    backward runs what its forward ran (checkpoint checks it), and the peak is as planned."""
+    from bench.plan_accuracy_lm import case
+
+    extra = ("peft=lora", "train.loss_chunks=8", "train.offload=activations")
+    on = case("llama-tiny", 8, 256, False, False, tmp_path, "bf16", backend="trainer", extra=extra)["metrics"]
+    assert abs(on["predicted_peak_error_pct"]) <= 1, on
+    assert on["peak_host_mb"] == pytest.approx(on["predicted_host_mb"], abs=100 / MB)
 
 
 TORCHTUNE_LORA_4090_MIB = 16.2 * 1024  # torchtune's README: Llama 3.1 8B, LoRA, 1x 4090, peak memory per GPU
