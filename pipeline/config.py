@@ -454,6 +454,7 @@ def _check_file(cfg: DictConfig, key: str) -> None:
         )
     columns = header(path)
     needed = ("data.text_column", "data.label_column") if classify else ("data.text_column",)
+    needed = () if cfg.task.get("instructions") else needed  # (task=sft's columns: as its data is read)
     for column in needed if columns is not None else ():
         if _value(cfg, column) not in columns:
             # (the label column's verdict depends on the task: a language model reads no labels)
@@ -645,8 +646,8 @@ def validate(cfg: DictConfig) -> None:
 
 
 def problems(cfg: DictConfig) -> Iterator[ConfigError]:
-    """Every check's ConfigError, not only the first one's (a sweep asks which of them no swept key can
-    change). A check that cannot run because of another bad value is left out."""
+    """Every check's ConfigError (a sweep asks which no swept key can change), less a check another bad value
+    stops."""
     for check in _own_checks(cfg):
         try:
             check()

