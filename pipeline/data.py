@@ -542,7 +542,11 @@ class PaddingCollator:
 
     def __call__(self, features):
         # task=sft's rows bring their labels (and, packed, their position ids): padded here, -100 on padding
-        given = {k: [f[k] for f in features] for k in ("labels", "position_ids") if k in features[0]}
+        given = {
+            k: [f[k] for f in features]
+            for k in ("labels", "position_ids")
+            if isinstance(features[0].get(k), list)
+        }
         features = [{k: v for k, v in f.items() if k not in given} for f in features] if given else features
         batch = self._pad(features)
         mask = batch["attention_mask"]

@@ -12,7 +12,7 @@ from sklearn.metrics import f1_score
 from pipeline import learning_rate
 from pipeline.backends import classification_metrics
 from pipeline.runner import config_hash
-from tests.conftest import CONF, compose_cfg, run_cli, store, sweep_runs
+from tests.conftest import CONF, TINY, compose_cfg, run_cli, store, sweep_runs
 
 
 def test_validation_and_test_splits_never_overlap_each_other_or_train():
@@ -168,3 +168,27 @@ def test_collapsed_runs_are_marked_in_the_console_and_never_chosen(tuning_sweep)
     assert ("no rate learned at this budget" in out) == nothing, out[-3000:]
     note = "(collapsed): the run's predictions fell (nearly) all in one class"
     assert (note in out) == bool(expected)
+
+
+@pytest.mark.slow  # a 3-trial Optuna sweep of the tiny model: about 15 s
+def test_an_optuna_learning_rate_search_of_lora_runs_finishes_warm_and_builds_its_report(tmp_path):
+    """Hydra's Optuna sweeper (the `optuna` extra make install installs) over a log-uniform learning rate, LoRA
+    runs only: 3 trials, each the validation figure the task function returns, jobs started warm, and the
+    sweep's report built with its own baseline (no full-AdamW run to compare against)."""
+    proc = run_cli(
+        tmp_path,
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.direction=maximize",
+        "train.lr=tag(log,interval(1e-4,1e-1))",
+        "peft=lora",
+        *TINY,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(re.findall(r"returns val_macro_f1=([\d.]+)", proc.stdout)) == 3
+    runs = sweep_runs(tmp_path)[1]
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
+    assert len({r.data.params["lr"] for r in runs}) == 3
+    assert [r.data.tags["job_start"] for r in runs] == ["warm"] * 3
+    assert "[sweep] report: " in proc.stdout and "report not built" not in proc.stdout + proc.stderr
