@@ -193,6 +193,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_records_its_point_once(s
     sweep = start_sweep(
         tmp_path, "seed=0", *TINY, "train.max_steps=800", "train.checkpoint_every=20", *ONE_CORE
     )
+    wait_for(training(tmp_path, 1), "the job process", sweep=sweep)
     job = wait_for(lambda: _job_of(tmp_path, "800"), "its SLURM id", sweep=sweep)
     # (training has begun, and the job listens for SIGTERM)
     wait_for(lambda: list(tmp_path.glob("checkpoints/*/step-*")), "its first checkpoint", sweep=sweep)
