@@ -276,11 +276,11 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         metrics = with_perplexity(trainer.evaluate(eval_dataset=dataset, metric_key_prefix=prefix), prefix)
         return {k: metrics[f"{prefix}_{k}"] for k in keys if f"{prefix}_{k}" in metrics}
 
-    saves.finished()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # unwrap accelerate's wrapper
     start = time.perf_counter()
     eval_metrics = evaluated(splits.eval, "eval") if evaluate else {}
     val_metrics = evaluated(splits.val, "val") if evaluate and splits.val is not None else {}
+    saves.finished()  # (once evaluated: a job stopped while it evaluates resumes from its last checkpoint)
     return TrainOutput(
         optimizer=optimizer,
         losses=step_losses.values,
