@@ -308,22 +308,24 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     the sample, the tokenizing settings and the stamps of the data's and the tokenizer's files. Every job gets
     them from there, memory-mapped. Their `inputs` say what was read, for MLflow."""
     task, length, packing = cfg.task.name, cfg.train.max_length, cfg.train.packing
-    task = "sft" if cfg.task.get("instructions") else task  # (task=sft: a causal LM's, read from chats)
+    read_as = "sft" if cfg.task.get("instructions") else task  # (task=sft: a causal LM's, read from chats)
     # None: a hub dataset (datasets keeps its downloads), tokenized in each job
     files = source_files(cfg.data)
-    inputs = [OmegaConf.to_container(cfg.data, resolve=True)] + ([task] if task != "classification" else [])
+    inputs = [OmegaConf.to_container(cfg.data, resolve=True)] + (
+        [read_as] if task != "classification" else []
+    )
     inputs.append([eval_sample(cfg), length, packing])
 
     def build() -> tuple[dict, dict]:
-        read = load_splits(cfg.data, task)
+        read = load_splits(cfg.data, read_as)
         read.inputs = dataset_inputs(read, cfg.data)
         cut, sampled = sample(cfg, read)
-        done = tokenize(cut, tokenizer, length, vocab, task, packing)
+        done = tokenize(cut, tokenizer, length, vocab, read_as, packing)
         parts = {"train": done.train, "eval": done.eval, "val": done.val}
         return parts, {"label_names": read.label_names, "inputs": cut.inputs, "sampled": sampled}
 
     why = sample_reason(cfg)
-    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, cfg.task.name)
+    tokenizer, vocab = models.tokenizer_and_vocabulary(cfg.model, task)
     inputs.append([tokenizer.name_or_path, len(tokenizer), vocab])
     if files is not None and Path(tokenizer.name_or_path).is_dir():  # a local tokenizer: its files stamped
         files = [*files, tokenizer.name_or_path]
@@ -333,7 +335,6 @@ def prepare(cfg: DictConfig) -> tuple[object, Splits, PaddingCollator]:
     if kept["sampled"] and not cfg.find_batch_size and int(os.environ.get("RANK", "0")) == 0:
         print(f"[job] {SAMPLE_LINE.format(why=why, cut=kept['sampled'])}", flush=True)
     names = kept["label_names"]
-    task = cfg.task.name  # (what the splits are for: sft's are a causal LM's)
     splits = Splits(parts["train"], parts["eval"], names, parts.get("val"), kept["inputs"], task)
     return tokenizer, splits, PaddingCollator(tokenizer, cfg.train.padding, length, task)
 

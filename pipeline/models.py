@@ -107,6 +107,8 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int) -> Built:
 
     import torch
 
+    from pipeline import offload
+
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     with_adapters = cfg.peft.name != "none"
     dtype = torch.bfloat16 if cfg.train.precision == "bf16_pure" else None
@@ -124,8 +126,6 @@ def build(cfg: DictConfig, label_names: list[str], pad_token_id: int) -> Built:
             model, cfg.peft, cfg.task.name, model.config.model_type, device, trained_dtype=trained
         )
     built = Built(model, *adapters.figures(cfg, model), vocab, *adapters.model_size(model))
-    from pipeline import offload
-
     offload.install(model, cfg.train.get("offload", "none") == "activations")  # around the whole forward
     return built
 

@@ -214,23 +214,25 @@ def job_process(cfg: DictConfig, job_dir: Path, pool_dir: Path, ranks: dict):
 
 def job_outcome(cfg: DictConfig, job_dir: Path, job) -> tuple[Failure | None, str]:
     """Wait for a job's end (a pipeline.starter.Job): (None on success, else its failure; how it started)."""
+
+    def stopped() -> Failure | None:  # a job asked to stop (starter.Job.kill) that stopped at a step's end
+        failure = exit_failure(job_dir, job.status) if job.status is not None else None
+        return failure if failure is not None and failure.reason == "preempted" else None
+
     try:
         returncode = job.wait()
-    except KeyboardInterrupt as err:
-        # SIGTERM: the job was asked to stop at the end of its step, and it stopped (starter.Job.kill)
-        failure = exit_failure(job_dir, job.status) if job.status is not None else None
-        if failure is None or failure.reason != "preempted":
+    except KeyboardInterrupt as err:  # SIGTERM
+        if (failure := stopped()) is None:
             raise
         failure.stop = err
         return failure, job.how
     except Exception as err:  # submitit's time-limit signal handler raised here (the job was asked to stop)
         if type(err).__name__ != "UncompletedJobError":
             raise
-        stopped = exit_failure(job_dir, job.status) if job.status is not None else None
-        if stopped is not None and stopped.reason == "preempted":  # at the end of a step, checkpointed
-            text = f"{time_limit_text(cfg, str(err))}; {stopped.text}"
-            return Failure("time_limit", text, stopped.metrics, stopped.series), job.how
-        return Failure("time_limit", time_limit_text(cfg, str(err))), job.how
+        text = time_limit_text(cfg, str(err))
+        if (failure := stopped()) is not None:  # at the end of a step, checkpointed
+            return Failure("time_limit", f"{text}; {failure.text}", failure.metrics, failure.series), job.how
+        return Failure("time_limit", text), job.how
     if cfg.launcher.name == "slurm" and returncode == -signal.SIGTERM:
         return slurm_stop(cfg), job.how
     return exit_failure(job_dir, returncode), job.how

@@ -18,9 +18,9 @@ for the imports. A command killed outright (SIGKILL) takes its running job with 
 CUDA: a process that has initialised the CUDA driver must never fork. PRELOAD's imports leave the driver alone
 (pipeline.preload), availability checks go through NVML. Should CUDA be initialised all the same, the starter
 serves no job, writes why in its log (REFUSED) and ends; the jobs start cold. Each child sets its whole
-environment (PER_JOB: its GPUs, threads) before any torch work, and a child forked from a process with CUDA
-initialised exits with BAD_FORK, and its command starts it again cold (Job.wait). A job whose environment differs from the starter's in
-more than PER_JOB (a swept `log_level`) starts cold.
+environment (PER_JOB: its GPUs, threads) before any torch work; one forked from a process with CUDA initialised
+exits with BAD_FORK and starts again cold (Job.wait). A job whose environment differs from the starter's in more
+than PER_JOB (a swept `log_level`) starts cold.
 """
 
 from __future__ import annotations
@@ -205,7 +205,9 @@ def driver_initialised(library: str) -> bool:
 def keep_seconds(env: dict) -> float:
     """$PIPELINE_STARTER_KEEP_S of `env`: seconds >= 0 (unset or empty: 0)."""
     text = env.get(KEEP_ENV) or "0"
-    keep = float(text) if text.replace(".", "", 1).isdigit() else -1
+    keep = -1.0
+    with contextlib.suppress(ValueError):
+        keep = float(text)
     if not keep >= 0:
         raise ValueError(f"{KEEP_ENV}={text} is invalid: a number of seconds >= 0 (0: the job starter ends with "
                          "the last command it served)")  # fmt: skip
@@ -467,12 +469,10 @@ class Job:
                 self.status = self._reply()
         if self.status is None and self.pid is not None and ask_first:
             os.kill(self.pid, signal.SIGTERM)
+            if self.sock is not None:  # (kept below: once the job is gone its status comes at once)
+                self.sock.settimeout(STOP_WAIT_S)
             with contextlib.suppress(subprocess.TimeoutExpired, TimeoutError):
-                if self.sock is not None:
-                    self.sock.settimeout(STOP_WAIT_S)
                 self.status = self.popen.wait(STOP_WAIT_S) if self.popen is not None else self._status()
-            if self.sock is not None:
-                self.sock.settimeout(None)
         if self.status is None and self.pid is not None:
             _kill(self.pid)
             self.status = self._status()
