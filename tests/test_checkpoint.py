@@ -141,9 +141,18 @@ def test_a_command_stopped_by_sigterm_resumes_into_the_same_run_when_run_again(t
     cmd = [sys.executable, "-m", "pipeline", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def waits_on_a_checkpointing_job() -> bool:  # (a single run's job starts before its run opens)
+        if not list(tmp_path.glob("checkpoints/*/step-*")) or not (tmp_path / "mlflow.db").exists():
+            return False
+        client = store(tmp_path)
+        found = client.get_experiment_by_name("optimizer-sweep")
+        return found is not None and bool(client.search_runs([found.experiment_id]))
+
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("checkpoints/*/step-*")) and time.monotonic() < deadline:
+    while not waits_on_a_checkpointing_job() and time.monotonic() < deadline:
         time.sleep(0.1)
+    time.sleep(0.5)  # (from its run's opening to waiting on the job: its params logged, its config saved)
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "KILLED (preempted" in out and "the same command resumes it" in out, out
