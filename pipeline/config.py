@@ -149,6 +149,7 @@ CHOICES = {
 POSITIVE_INTS = (
     "batch_size",
     "train.max_steps",
+    "train.gradient_accumulation_steps",
     "train.max_length",
     "eval.batch_size",
     "launcher.n_jobs",
@@ -245,6 +246,12 @@ def _check_in_backward(cfg: DictConfig) -> None:
         raise ConfigError(
             f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: {why}",
             ("train.optimizer_in_backward", "optim.name", "train.max_grad_norm"),
+        )
+    if (spec.in_backward or lever) and cfg.train.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"{what} is invalid with train.gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}: "
+            "accumulating needs every gradient held until the step, and each is used and freed as it arrives",
+            ("train.optimizer_in_backward", "optim.name", "train.gradient_accumulation_steps"),
         )
     if (spec.in_backward or lever) and (cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none"):
         raise ConfigError(

@@ -80,10 +80,13 @@ def throughput(cfg, steady: dict, runtime_s: float, ranks: list[dict], flops: Mo
         steps, tokens, seconds = cfg.train.max_steps, sum(r["tokens"] for r in ranks), runtime_s
         padded = sum(r.get("padded_tokens", 0) for r in ranks)
         basis = f"steps 1-{steps} (the whole loop: fewer than {warmup + 2} steps, no steady window)"
-    metrics["train_samples_per_second"] = steps * cfg.batch_size * world / seconds
+    samples = (
+        steps * cfg.batch_size * cfg.train.gradient_accumulation_steps * world
+    )  # (an epoch's end: fewer)
+    metrics["train_samples_per_second"] = samples / seconds
     metrics["train_tokens_per_second"] = tokens / seconds
     # T: the positions attention runs over, the batches' padded length
-    metrics["train_flops_per_token"] = flops_per_token(flops, padded / (steps * cfg.batch_size * world))
+    metrics["train_flops_per_token"] = flops_per_token(flops, padded / samples)
     peak_flops_s, peak_source = peak
     if peak_flops_s:
         peak_flops_s *= world

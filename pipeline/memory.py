@@ -482,9 +482,9 @@ class TrainingMemory:
     step; `breakdown_na` says why it cannot run, when it cannot. A language model's breakdown (one whose head is
     an LM head: `logits_width`) has a `logits` part as well; a classifier's has none.
 
-    A step starts with the model's forward in training mode and ends with its optimizer step, or, when the
-    optimizer step never runs (the fp16 grad scaler skips a step whose gradients overflowed, and torch's
-    optimizer hooks then do not fire), when the next step starts or the loop ends.
+    A step (its `accumulation` batches) starts with the model's forward in training mode and ends with its
+    optimizer step, or, when that never runs (the fp16 grad scaler skips a step whose gradients overflowed, and
+    torch's optimizer hooks then do not fire), when the next step starts or the loop ends.
     """
 
     def __init__(
@@ -495,11 +495,11 @@ class TrainingMemory:
         track_steps: int | None = 3,
         breakdown_step: int | None = 2,
         breakdown_na: str | None = None,
+        accumulation: int = 1,
     ):
         self.device = indexed(device)
-        self.model = model
-        self.budget_mb = budget_mb
-        self.track_steps = track_steps
+        self.accumulation, self._batches = accumulation, 0  # batches a step, and of the step now running
+        self.model, self.budget_mb, self.track_steps = model, budget_mb, track_steps
         self.breakdown_step = None if breakdown_na else breakdown_step
         self.breakdown_na = breakdown_na
         self.breakdown: StepBreakdown | None = None
@@ -561,17 +561,22 @@ class TrainingMemory:
 
     def _before_any_forward(self, module, args) -> None:
         if module is self.model and module.training and self._step_open:
-            # the step before ended without an optimizer step (the grad scaler skipped it): end it before
-            # MemTracker's hooks see the model's forward again
-            self._end_step(stepped=False)
+            if self._batches < self.accumulation:  # the step's next batch: MemTracker sees a forward again
+                self.breakdown.reset_mod_stats()
+            else:  # the step before ended without an optimizer step (the grad scaler skipped it): end it
+                self._end_step(stepped=False)  # before MemTracker's hooks see the model's forward again
 
     def _before_forward(self, module, args, kwargs) -> None:
         if not module.training:
             return
-        if self._step_open:  # the step before ended without an optimizer step (the grad scaler skipped it)
-            self._end_step(stepped=False)
-        self._step_open = True
-        self.step += 1
+        if not self._step_open or self._batches == self.accumulation:  # (else: the step's next batch)
+            if (
+                self._step_open
+            ):  # the step before ended without its optimizer step (the grad scaler skipped it)
+                self._end_step(stepped=False)
+            self._step_open, self._batches = True, 0
+            self.step += 1
+        self._batches += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         ids = max((t for t in inputs if not t.is_floating_point()), key=torch.numel, default=None)
         tokens = 0 if ids is None else ids.numel()
@@ -584,6 +589,7 @@ class TrainingMemory:
             self.largest_with_state = tuple(ids.shape)
         if self.on_cpu and tracked:
             self._most_tokens = max(self._most_tokens, tokens)
+        if self.on_cpu and tracked and not self._tracking:  # (a step's later batch: tracked since its first)
             self.tracked_steps.append(self.step)
             self.cpu.track(self._live_tensors(inputs))  # what was made while untracked
             self.cpu.__enter__()

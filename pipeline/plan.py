@@ -282,6 +282,7 @@ def profile(
     peft: str | None = None,
     unmasked: str = "none",
     stepped: tuple | None = None,
+    held: bool = False,
 ) -> Profile:
     """The forward and backward pass's Profile for sequences of `seq` tokens of a job of `task` with the
     adapters `peft` (peft_settings; None: full fine-tuning) (cached: a sweep's plans of one model share it; in
@@ -291,18 +292,22 @@ def profile(
     passes of a 2- or 3-layer model plan an 8B one. `unmasked` (`unmasked_rows`): the batches whose model is
     fed no attention mask, none, one text's or all. `stepped`: (spec, cfg, their settings as a key) of an
     optimizer stepped inside backward (train.optimizer_in_backward): its state and steps in the pass, or, where
-    its step cannot run on fake tensors, each gradient freed as it arrives."""
+    its step cannot run on fake tensors, each gradient freed as it arrives. `held`: every gradient there from
+    the start, summed into (a step's later batch, train.gradient_accumulation_steps > 1)."""
     key = (model_config.to_json_string(use_diff=False), precision, checkpointing, seq, names, cuda, task)
     key += () if peft is None else (peft,)  # (full fine-tuning's as before the adapters existed)
     key += (getattr(model_config, "_attn_implementation", None), unmasked)
     key += () if stepped is None else (stepped[2],)
+    key += ("gradients held",) if held else ()
     if key not in _PROFILES:
         shallow = _shallow_pair(model_config, task)
 
         def trace_at(batch: int) -> np.ndarray:
             masked = unmasked == "none" or (unmasked == "one" and batch > 1)
             step = None if stepped is None else stepped[:2]
-            run = functools.partial(_trace, cuda=cuda, task=task, peft=peft, masked=masked, stepped=step)
+            run = functools.partial(
+                _trace, cuda=cuda, task=task, peft=peft, masked=masked, stepped=step, held=held
+            )
             if shallow is None:
                 return run(model_config, precision, checkpointing, batch, seq, names, stretches=False)["pass"]
             a, b = (run(c, precision, checkpointing, batch, seq, names, stretches=True) for c in shallow)
@@ -341,18 +346,23 @@ def _trace(
     peft: str | None = None,
     masked: bool = True,
     stepped: tuple | None = None,
+    held: bool = False,
 ) -> dict[str, np.ndarray]:
     """One simulated forward and backward pass: the parts (bytes) after each allocation, by stretch; with
     `cuda`, attention, dropout and the autocast query as a CUDA GPU runs them (pipeline.cuda_kernels). A language model's logits are a part
     of their own (pipeline.memory.is_logits), as in a measured breakdown. Not `masked`: every row full, so that
     transformers drops the attention mask (`full_rows`). `stepped` (spec, cfg): each weight's
     optimizer stepped from its gradient's hook, the gradient freed there (`_stepped_in_backward`), with its
-    state in place (step 2's pass); where its step does not run on fake tensors, the gradient freed alone."""
+    state in place (step 2's pass); where its step does not run on fake tensors, the gradient freed alone.
+    `held`: each trained weight's gradient there before the pass, which sums its gradient into it."""
     from pipeline.memory import KindPeak, logits_width
 
     mode, model = fake_model(model_config, precision, checkpointing, task, peft)
     inputs = _inputs(mode, batch, seq, names, task)
     hooks, inner = _stepped_in_backward(mode, model, *stepped, cuda) if stepped else ([], {})
+    with mode:
+        for p in model.parameters() if held else ():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = KindPeak(model, inputs.values(), vocab=logits_width(model))
     for optimizer in inner.values():
         tracker.file_state(optimizer)
@@ -541,7 +551,9 @@ def simulate(
     whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
     state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
     args = (store, cuda, task, peft, unmasked, (base, cfg, settings) if in_backward else None)
-    steps = profile(model_config, precision, checkpointing, seq, names, *args)
+    # a step of several batches: the later ones run with every gradient held (the first without: less)
+    held = cfg.train.get("gradient_accumulation_steps", 1) > 1
+    steps = profile(model_config, precision, checkpointing, seq, names, *args, held)
     host = None  # train.offload=activations: what the pass holds on the host
     if getattr(model.config, "offload_activations", False):
         masked = unmasked == "none" or (unmasked == "one" and batch > 1)

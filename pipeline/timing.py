@@ -23,8 +23,8 @@ def warmup_steps(cfg) -> int:
 
 
 class StepTimer:
-    """When each training step starts (the model's forward in training mode), and the time of every
-    optimizer.step() inside the block.
+    """When each training step starts (the model's forward in training mode; with `accumulation` batches a
+    step, its first batch's), and the time of every optimizer.step() inside the block.
 
     The time from one step's start to the next one's is one whole training step (data, forward, backward,
     optimizer, logging), whether or not its optimizer step ran: the fp16 grad scaler skips the optimizer step
@@ -40,8 +40,10 @@ class StepTimer:
     `paused_s`) are there once the block has ended without an exception.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, accumulation: int = 1):
         self.model = model
+        self.accumulation = accumulation  # batches a step (train.gradient_accumulation_steps)
+        self._batches = 0  # of the step now running
         self.starts_s: list[float] = []
         self.times_s: list[float] = []  # optimizer steps that ran
         self.paused_s = 0.0  # evaluation inside the loop
@@ -69,6 +71,10 @@ class StepTimer:
                 end = self._last_step_end
                 self._evaluating_since = end if end is not None else self._mark()
             return
+        if 0 < self._batches < self.accumulation:  # the step's next batch (train.gradient_accumulation_steps)
+            self._batches += 1
+            return
+        self._batches = 1
         self._step_marks.append((self._mark(), self._evaluating_since))
         self._evaluating_since = None
 
@@ -78,6 +84,7 @@ class StepTimer:
     def _post(self, optimizer, args, kwargs) -> None:
         start = self._starts.pop()
         if not self._starts:
+            self._batches = 0  # the step ended: the next batch starts one (an epoch's last may have fewer)
             self._last_step_end = self._mark()
             self._optimizer_marks.append((start, self._last_step_end))
 

@@ -720,7 +720,7 @@ def test_help_names_the_app_and_describes_each_config_group():
 
 
 TRAIN_KEYS = (
-    "max_steps, lr, lr_scale, max_length, weight_decay, lr_scheduler, warmup_steps, max_grad_norm, precision, "
+    "max_steps, gradient_accumulation_steps, lr, lr_scale, max_length, weight_decay, lr_scheduler, warmup_steps, max_grad_norm, precision, "
     "padding, group_by_length, packing, gradient_checkpointing, optimizer_in_backward, loss_chunks, offload, "
     "checkpoint_every, sharding"
 )

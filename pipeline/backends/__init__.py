@@ -34,6 +34,27 @@ class TrainOutput:
     # checkpoints cost (count, seconds, MB of the last); None where it wrote none
     segments: list[dict] = field(default_factory=list)
     checkpoints: dict | None = None
+    per_epoch: int | None = None  # the training loader's batches an epoch (step_sizes)
+
+
+def step_sizes(steps: int, per_epoch: int | None, cfg) -> list[int]:
+    """The batches each of the first `steps` steps takes: train.gradient_accumulation_steps, and at the end of
+    each epoch of `per_epoch` batches those left (as the Trainer groups them; the Accelerate loop alike)."""
+    n = cfg.train.gradient_accumulation_steps
+    if n == 1 or not per_epoch:
+        return [n] * steps
+    epoch = [n] * (per_epoch // n) + [per_epoch % n] * bool(per_epoch % n)
+    return (epoch * (steps // len(epoch) + 1))[:steps]
+
+
+def step_tokens(batches: list, sizes: list[int]) -> list[tuple[int, int]]:
+    """Each step's (real, padded) tokens: its batches' (`sizes`: step_sizes) summed."""
+    out, at = [], 0
+    for size in sizes:
+        group = batches[at : at + size]
+        out.append((sum(real for real, _ in group), sum(padded for _, padded in group)))
+        at += size
+    return out
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -62,14 +83,19 @@ class StepLosses:
     def __init__(self, combine=None):
         self.values: list[float] = []  # the steps read, from step 1
         self._pending = []  # the loss tensors of the steps not read yet
+        self._step = None  # this step's loss so far: its batches' (train.gradient_accumulation_steps)
         self._combine = combine
 
     def add(self, loss) -> None:
-        """This step's loss (a tensor on the device; it is not read now)."""
-        self._pending.append(loss.detach())
+        """A batch's loss, scaled as its gradient is (a tensor on the device; it is not read now): a step's loss
+        is the sum over its batches."""
+        self._step = loss.detach() if self._step is None else self._step + loss.detach()
 
     def step_ended(self) -> None:
         """The end of a step: the losses are read when LOSS_READ_STEPS steps wait."""
+        if self._step is not None:
+            self._pending.append(self._step)
+            self._step = None
         if len(self._pending) >= LOSS_READ_STEPS:
             self.read()
 
@@ -152,16 +178,16 @@ def restored(meta: dict, collate, losses: StepLosses, val_series: dict) -> None:
     val_series.update({k: {int(s): v for s, v in steps.items()} for k, steps in meta["val_series"].items()})
 
 
-def stopped(saves, step: int, write, collate, losses: StepLosses, val_series, peak, runtime_s, first) -> None:
+def stopped(saves, step: int, write, batches, losses: StepLosses, val_series, peak, runtime_s, first) -> None:
     """The end of `step` where a checkpoint is due (saves.due) or the job was asked to stop: the checkpoint
-    (`write(folder)` the backend's state, beside it what the record needs of the steps so far), then, where
-    asked to stop, pipeline.checkpoint.Preempted."""
+    (`write(folder)` the backend's state, beside it what the record needs of the steps so far: their losses,
+    their `batches`' tokens), then, where asked to stop, pipeline.checkpoint.Preempted."""
     from pipeline import checkpoint
 
     saved = None
     if saves.due(step):
         peak_mb = peak.metrics()["peak_memory_mb"]
-        meta = {"losses": losses.read(), "batches": collate.batches[:step], "val_series": val_series}
+        meta = {"losses": losses.read(), "batches": batches, "val_series": val_series}
         saved = saves.save(step, write, {**meta, "segments": saves.segments(peak_mb, runtime_s, first, step)})
     if checkpoint.stop_asked():
         raise checkpoint.Preempted(step, saved, losses.read(), val_series)
@@ -186,6 +212,7 @@ def training_memory(cfg, spec, device, model):
         track_steps=cfg.memory_track_steps,
         breakdown_step=min(2, cfg.train.max_steps),  # the first step that starts with the state in place
         breakdown_na=na,
+        accumulation=cfg.train.gradient_accumulation_steps,
     )
 
 
@@ -280,13 +307,14 @@ def run(cfg, spec, model, splits, collate, job_dir, train=None) -> Trained:
 
         largest, probes = batch_size.search(cfg, model, splits, spec, collate_for, job_dir, train)
         return Trained(collate=collate, largest=largest, probes=probes)
-    with StepTimer(model) as timer:
+    with StepTimer(model, cfg.train.gradient_accumulation_steps) as timer:
         output = train(cfg, model, splits, spec, collate, job_dir)
     state, paged = optimizer_state_size(output.optimizer), paged_state_size(output.optimizer)
     record = {
         "optimizer_state_bytes": state.bytes,
         "peak_memory_mb": output.peak.metrics()["peak_memory_mb"],
-        "batches": collate.batches[: cfg.train.max_steps],  # each step's (real, padded) tokens
+        # each step's (real, padded) tokens
+        "batches": step_tokens(collate.batches, step_sizes(cfg.train.max_steps, output.per_epoch, cfg)),
         "largest_batch": list(output.peak.largest_batch),
         "largest_before_state": output.peak.largest_before_state,
         "largest_with_state": list(output.peak.largest_with_state),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from pipeline.backends import (
     language_model_metrics,
     optimizer_step_mode,
     restored,
+    step_sizes,
     stopped,
     training_memory,
 )
@@ -31,15 +33,39 @@ from pipeline.data import IGNORE_INDEX
 from pipeline.optimizers import LAYERWISE, LOMO
 
 
-def batches(loader, steps: int):
-    """`steps` batches, starting a new (reshuffled) epoch whenever the loader runs out."""
+def batches(loader, steps: int, accumulation: int = 1):
+    """`steps` steps' batches, `accumulation` a step (train.gradient_accumulation_steps) and at an epoch's end
+    those left, as the Trainer groups them; a new (reshuffled) epoch whenever the loader runs out."""
     done = 0
     while True:
+        group = []
         for batch in loader:
             if done == steps:
                 return
+            group.append(batch)
+            if len(group) == accumulation:
+                done += 1
+                yield group
+                group = []
+        if group and done < steps:
             done += 1
-            yield batch
+            yield group
+
+
+def accumulated(accelerator, model, group: list, causal: bool):
+    """A step's batches, each with its loss scaled as the Trainer scales it: a language model's by the
+    step's label tokens (`num_items_in_batch`: the sum over the step, not a mean of means), a classifier's
+    mean loss divided by the step's batches; gradients synchronised over ranks at the last one only."""
+    count = None
+    if causal and len(group) > 1:
+        count = sum((batch["labels"][..., 1:] != IGNORE_INDEX).sum() for batch in group)
+    for i, batch in enumerate(group):
+        with contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model):
+            if count is not None:
+                yield model(**batch, num_items_in_batch=count).loss
+            else:
+                loss = model(**batch).loss
+                yield loss / len(group) if len(group) > 1 else loss
 
 
 def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="eval") -> dict[str, float]:
@@ -197,7 +223,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
     saves = checkpoint.Checkpoints.of_job(cfg, bool(spec.in_backward))
-    data = batches(train_loader, cfg.train.max_steps)
+    data = batches(train_loader, cfg.train.max_steps, cfg.train.gradient_accumulation_steps)
     first = resume(
         saves, accelerator.unwrap_model(model), optimizer, scheduler, data, collate, losses, val_series
     )
@@ -214,15 +240,17 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         ) as progress,
     ):
         start = time.perf_counter()
-        for step, batch in enumerate(data, start=first):
-            loss = model(**batch).loss
-            # kept on the device: read every LOSS_READ_STEPS steps (a NaN stops the run there)
-            losses.add(loss)
-            if spec.in_backward:
+        for step, group in enumerate(data, start=first):
+            if spec.in_backward:  # (one batch a step: config.py refuses accumulation)
+                loss = model(**group[0]).loss
+                losses.add(loss)
                 update_in_backward(accelerator, loss, optimizer, scheduler, spec)
                 peak.updated_in_backward(optimizer.optimizer)
             else:
-                accelerator.backward(loss)
+                for loss in accumulated(accelerator, model, group, splits.task == "causal_lm"):
+                    # kept on the device: read every LOSS_READ_STEPS steps (a NaN stops the run there)
+                    losses.add(loss)
+                    accelerator.backward(loss)
                 if cfg.train.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
                 optimizer.step()
@@ -237,9 +265,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
                     val_series.setdefault(key, {})[step] = value
             if saves.due(step) or checkpoint.stop_asked():
                 save = functools.partial(save_state, accelerator.unwrap_model(model), optimizer, scheduler)
-                stopped(
-                    saves, step, save, collate, losses, val_series, peak, time.perf_counter() - start, first
-                )
+                done = collate.batches[: sum(step_sizes(step, len(train_loader), cfg))]
+                stopped(saves, step, save, done, losses, val_series, peak, time.perf_counter() - start, first)
         losses.read()  # the steps since the last reading (the loop's time includes the device's last step)
         runtime = time.perf_counter() - start
 
@@ -263,4 +290,5 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         eval_runtime_s=time.perf_counter() - start,
         segments=saves.segments(peak.metrics()["peak_memory_mb"], runtime, first, cfg.train.max_steps),
         checkpoints=saves.meta.get("checkpoints"),
+        per_epoch=len(train_loader),
     )

@@ -25,14 +25,15 @@ from pipeline.backends import (
     next_token_accuracy,
     optimizer_step_mode,
     restored,
+    step_sizes,
     training_memory,
 )
 
 
 class LossKeepingTrainer(Trainer):
-    """The Trainer, keeping each step's training loss (what its `training_step` returns, once a step: no
-    gradient accumulation here) on the device in `step_losses`: its own logging would read the loss and the
-    gradient norm at every logged step."""
+    """The Trainer, keeping each step's training loss (what its `training_step` returns, summed over a step's
+    batches) on the device in `step_losses`: its own logging would read the loss and the gradient norm at
+    every logged step."""
 
     def __init__(self, *args, step_losses: StepLosses, saves: checkpoint.Checkpoints, **kwargs):
         super().__init__(*args, **kwargs)
@@ -65,10 +66,14 @@ class LossKeepingTrainer(Trainer):
 class ReadLosses(TrainerCallback):
     """Reads the kept losses every LOSS_READ_STEPS steps, after the optimizer step (StepLosses.step_ended): a
     NaN or infinite loss ends the training there. A checkpoint due at this step is saved, and a job asked to
-    stop stops (pipeline.checkpoint)."""
+    stop stops (pipeline.checkpoint). `per_epoch`: the batches of an epoch (what groups them into steps)."""
 
     def __init__(self, step_losses: StepLosses, saves: checkpoint.Checkpoints):
         self.step_losses, self.saves = step_losses, saves
+        self.per_epoch = None
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.per_epoch = len(train_dataloader)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_losses.step_ended()
@@ -176,6 +181,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     args = TrainingArguments(
         output_dir=str(job_dir / "trainer"),
         max_steps=cfg.train.max_steps,
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.eval.batch_size,
         learning_rate=learning_rate(cfg),
@@ -221,10 +227,14 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         data_collator=collate,
         **quality(splits),
         optimizers=(None, None) if optim else (spec.build(model, cfg), None),
-        callbacks=[ReadLosses(step_losses, saves)],
+        callbacks=[reading := ReadLosses(step_losses, saves)],
         step_losses=step_losses,
         saves=saves,
     )
+    if splits.task != "causal_lm":
+        # a classifier's loss ignores num_items_in_batch, which the Trainer would then count as scaled: it divides
+        # each batch's mean loss by the batches a step instead (the step's loss is their mean, as one big batch's)
+        trainer.model_accepts_loss_kwargs = False
     if quiet.is_quiet():
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(QuietProgress())
@@ -243,7 +253,7 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
             segments = saves.segments(peak_mb, took, first, step)
             return {
                 "losses": step_losses.read(),
-                "batches": collate.batches[:step],
+                "batches": collate.batches[: sum(step_sizes(step, reading.per_epoch, cfg))],
                 "val_series": {},
                 "segments": segments,
             }
@@ -294,4 +304,5 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         eval_runtime_s=time.perf_counter() - start,
         segments=saves.segments(peak.metrics()["peak_memory_mb"], runtime, first, cfg.train.max_steps),
         checkpoints=saves.meta.get("checkpoints"),
+        per_epoch=reading.per_epoch,
     )
