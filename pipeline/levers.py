@@ -71,6 +71,12 @@ LEVERS = {
         "{ranks} GPUs, each holding 1/{ranks} of the optimizer state, and a broadcast of the weights each step",
     ),
 }
+# a step of several smaller batches (recipe.search names the largest that fits: accumulated): the same update
+ACCUMULATE = Lever(
+    "batch_size={batch} train.gradient_accumulation_steps={steps}",
+    "the same effective batch, its gradients summed over {steps} batches run one after another (slower where "
+    "one batch would fill the GPU)",
+)
 # a smaller batch needs no second plan: the plan's largest batch says it
 SMALLER_BATCH = Lever("batch_size={batch}", "fewer samples a step: a noisier gradient, more steps an epoch")
 OPTIMIZER_LEVERS = ("adamw_8bit", "adafactor")  # optim groups a lever swaps in (conf/optim/<name>.yaml)
@@ -93,8 +99,11 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
     if peak_in_pass and cfg.train.get("offload", "none") == "none":
         found["offload"] = {"train.offload": "activations"}
     one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
-    if one_process and not cfg.train.get("optimizer_in_backward") and not spec_for(cfg.optim).in_backward:
+    in_backward = cfg.train.get("optimizer_in_backward") or spec_for(cfg.optim).in_backward
+    if one_process and not in_backward and cfg.train.get("gradient_accumulation_steps", 1) == 1:
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
+    if peak_in_pass and cfg.batch_size > 1 and not in_backward:  # (at one sample a batch: the least it holds)
+        found["accumulate"] = {"batch_size": 1, "train.gradient_accumulation_steps": effective_batch(cfg)}
     if precision == "fp32":
         found["bf16"] = {"train.precision": "bf16"}
     if method != "none" and precision in ("bf16", "fp16") and models.dtypes(cfg)[0] == "fp32":
@@ -108,6 +117,11 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
             if cfg.optim.name != name:
                 found[name] = {"optim": OmegaConf.load(CONF_DIR / "optim" / f"{name}.yaml")}
     return found
+
+
+def effective_batch(cfg) -> int:
+    """The samples a step (per process): batch_size x train.gradient_accumulation_steps."""
+    return cfg.batch_size * cfg.train.get("gradient_accumulation_steps", 1)
 
 
 def with_lever(cfg, overrides: dict):

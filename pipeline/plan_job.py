@@ -101,9 +101,15 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
         fits = largest and again["peak"] <= budget
         return again["peak"], plan.largest_batch(again, budget) if fits else None
 
-    def together(chosen: list[str], largest: bool = False) -> tuple[float, int | None]:
+    def together(
+        chosen: list[str], largest: bool = False, batch: int | None = None
+    ) -> tuple[float, int | None]:
+        overrides = {k: v for name in chosen for k, v in applicable[name].items()}
+        if batch:  # accumulation's batches of `batch` samples, as many as the point's samples a step
+            steps = levers.effective_batch(cfg) // batch
+            overrides |= {"batch_size": batch, "train.gradient_accumulation_steps": steps}
         try:
-            return planned({k: v for name in chosen for k, v in applicable[name].items()}, largest)
+            return planned(overrides, largest)
         except Exception as err:  # noqa: BLE001 (a combination the simulation cannot run: not a recipe)
             log.warning(
                 "plan: levers %s together left out: %s: %s", "+".join(chosen), type(err).__name__, err

@@ -1,7 +1,7 @@
 """The recipe of a point that does not fit its budget: the cheapest combination of the levers
 (pipeline.levers) that fits it on its own GPUs, searched in the order of what each lever changes: first those
-that keep the training math (the step inside backward, the loss in pieces, checkpointing, the activations on
-the host: cheapest step first), then those that approximate it (mixed bf16, bf16 weights without a master
+that keep the training math (the step inside backward, the loss in pieces, smaller batches accumulated into
+the same step, checkpointing, the activations on the host: cheapest step first), then those that approximate it (mixed bf16, bf16 weights without a master
 copy, a 16-bit frozen base, 8-bit AdamW state, a 4-bit frozen base), another optimizer last. Each lever joins
 the combination where it lowers the peak (in two rounds: one that lowered nothing may, once the others have
 moved the peak); the first combination that fits, less each lever it still fits without (the latest first), is
@@ -12,7 +12,7 @@ combination reached (`recipe_peak_mb`). More GPUs (sharding over more ranks) are
 
 from __future__ import annotations
 
-from pipeline.levers import LEVERS
+from pipeline.levers import ACCUMULATE, LEVERS, effective_batch
 from pipeline.levers import OPTIMIZER_LEVERS as OPTIMIZERS
 
 KEEPS = "keeps the math"
@@ -20,11 +20,19 @@ APPROXIMATES = "approximates it"
 OTHER = "another optimizer"
 # the order the search tries them in: by kind, then by what a step costs (recomputation, slower kernels)
 ORDER = (
-    (KEEPS, ("in_backward", "loss_chunks", "checkpointing", "offload")),
+    (KEEPS, ("in_backward", "loss_chunks", "accumulate", "checkpointing", "offload")),
     (APPROXIMATES, ("bf16", "bf16_pure", "base16", "adamw_8bit", "qlora")),
     (OTHER, ("adafactor",)),
 )
-PASS = ("loss_chunks", "checkpointing", "offload")  # the levers of the forward and backward pass
+PASS = (
+    "loss_chunks",
+    "accumulate",
+    "checkpointing",
+    "offload",
+)  # the levers of the forward and backward pass
+# levers that replace one another: the optimizers; accumulating, which needs every gradient held to the step,
+# and the step inside backward, which frees each as it arrives
+EXCLUSIVE = (set(OPTIMIZERS), {"in_backward", "accumulate"})
 
 
 def kind_of(name: str, cfg) -> str:
@@ -40,8 +48,10 @@ def search(
     """The recipe's params and metrics among the levers `candidates` (names) that apply to the point, whose own
     peak is `peak`. `singles`: the (peak, largest batch) of those the plan weighed alone (its lever_<name>_*
     figures); `plan_with(names, largest)`: (peak, largest batch) of the point with those levers together, the
-    batch None unless `largest` (asked of the recipe alone: it takes a pass at more batch sizes). Optimizer
-    levers replace one another."""
+    batch None unless `largest` (asked of the recipe alone: it takes a pass at more batch sizes); with `batch`,
+    accumulation's batches of that size. Optimizer levers replace one another, and the step inside backward
+    and accumulation do (EXCLUSIVE). Accumulation is planned at one sample a batch, then named with the largest
+    batch that fits and divides the point's samples a step."""
     ordered = sorted(
         candidates, key=lambda name: ([k for k, _ in ORDER].index(kind_of(name, cfg)), _rank(name))
     )
@@ -60,7 +70,7 @@ def search(
     for name in [*ordered, *ordered]:
         if name in chosen:
             continue
-        trying = [n for n in chosen if not (n in OPTIMIZERS and name in OPTIMIZERS)] + [name]
+        trying = [n for n in chosen if not any({n, name} <= pair for pair in EXCLUSIVE)] + [name]
         peak, batch = planned(trying)
         if peak >= best[0]:
             continue  # it lowers nothing beside the levers already chosen
@@ -73,12 +83,17 @@ def search(
                     chosen, (peak, batch) = fewer, again
             if batch is None:
                 batch = plan_with(chosen, largest=True)[1]
+            samples = effective_batch(cfg)
+            micro = max(b for b in range(1, min(batch, samples) + 1) if samples % b == 0) if batch else 1
+            if "accumulate" in chosen and micro > 1:  # the largest batch that fits, the same samples a step
+                peak = plan_with(chosen, batch=micro)[0]
+            commands = {"accumulate": ACCUMULATE.command.format(batch=micro, steps=samples // micro)}
             kinds = {}
             for lever in chosen:
                 kinds.setdefault(kind_of(lever, cfg), []).append(lever)
             return {
                 "params": {
-                    "recipe": " ".join(LEVERS[lever].command for lever in chosen),
+                    "recipe": " ".join(commands.get(lever) or LEVERS[lever].command for lever in chosen),
                     "recipe_kinds": "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items()),
                 },
                 "metrics": {"recipe_peak_mb": peak, "recipe_max_batch_size": batch},

@@ -14,6 +14,7 @@ TYPED = {
     "loss_chunks": ["train.loss_chunks=8"],
     "in_backward": ["train.optimizer_in_backward=true", "train.max_grad_norm=0"],
     "offload": ["train.offload=activations"],
+    "accumulate": ["batch_size=1", "train.gradient_accumulation_steps=32"],  # (LONG's batch of 32, one at a time)
     "bf16": ["train.precision=bf16"],
     "base16": ["peft.base_dtype=auto"],
     "qlora": ["peft=qlora"],
@@ -33,23 +34,25 @@ LONG = ["batch_size=32", "train.max_length=128"]
     [
         (
             ["model=tiny", *LONG],
-            {"checkpointing", "offload", "in_backward", "bf16", "bf16_pure", "adamw_8bit", "adafactor"},
+            {"checkpointing", "offload", "in_backward", "accumulate", "bf16", "bf16_pure", "adamw_8bit",
+             "adafactor"},
         ),
         (
             ["model=llama-tiny", "peft=lora", "train.precision=bf16", "peft.base_dtype=fp32", *LONG],
-            {"checkpointing", "offload", "in_backward", "base16", "qlora", "adamw_8bit", "adafactor"},
+            {"checkpointing", "offload", "in_backward", "accumulate", "base16", "qlora", "adamw_8bit",
+             "adafactor"},
         ),
         (
             ["task=causal_lm", "model=llama-tiny", *LONG],
-            {"checkpointing", "loss_chunks", "offload", "in_backward", "bf16", "bf16_pure", "adamw_8bit",
-             "adafactor"},
+            {"checkpointing", "loss_chunks", "offload", "in_backward", "accumulate", "bf16", "bf16_pure",
+             "adamw_8bit", "adafactor"},
         ),
     ],
     ids=["full-fp32", "lora-bf16-fp32-base", "lm-full-fp32"],
 )  # fmt: skip
 def test_each_levers_figures_are_the_plan_of_the_point_that_uses_it(point, expected):
     """A point a budget just misses: the plan weighs the levers it does not use (full fine-tuning in fp32:
-    checkpointing, the activations on the host, mixed bf16, bf16 weights, 8-bit or factored state; LoRA on an
+    checkpointing, the activations on the host, batches of one accumulated, mixed bf16, bf16 weights, 8-bit or factored state; LoRA on an
     fp32 base under bf16: a 16-bit base, a 4-bit one, not bf16_pure; a language model: its loss in pieces
     too), and what it records of each is the peak and largest batch of the plan of the point with that lever,
     as Hydra composes it from the command line."""
