@@ -191,10 +191,10 @@ def test_a_time_limit_shorter_than_submitits_warning_is_one_line(slurm_cluster, 
 @pytest.mark.cluster  # a job started twice (SLURM holds a requeued job back a while)
 def test_a_requeued_job_resumes_from_its_checkpoint_and_records_its_point_once(slurm_cluster, tmp_path):
     sweep = start_sweep(
-        tmp_path, "seed=0", *TINY, "train.max_steps=800", "train.checkpoint_every=20", *ONE_CORE
+        tmp_path, "seed=0", *TINY, "train.max_steps=400", "train.checkpoint_every=20", *ONE_CORE
     )
     wait_for(training(tmp_path, 1), "the job process", sweep=sweep)
-    job = wait_for(lambda: _job_of(tmp_path, "800"), "its SLURM id", sweep=sweep)
+    job = wait_for(lambda: _job_of(tmp_path, "400"), "its SLURM id", sweep=sweep)
     # (training has begun, and the job listens for SIGTERM)
     wait_for(lambda: list(tmp_path.glob("checkpoints/*/step-*")), "its first checkpoint", sweep=sweep)
     slurm_cluster.command("scontrol", "requeue", job)
@@ -205,7 +205,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_and_records_its_point_once(s
     (run,) = children  # recorded once
     assert run.info.status == "FINISHED" and run.data.tags["slurm_restarts"] == "1"
     steps = [m.step for m in store(tmp_path).get_metric_history(run.info.run_id, "train_loss")]
-    assert sorted(steps) == list(range(1, 801))  # each step's loss once: the restart resumed
+    assert sorted(steps) == list(range(1, 401))  # each step's loss once: the restart resumed
     assert run.data.metrics["segments"] == 2 and run.data.tags["segments"].startswith("steps 1-")
 
 
