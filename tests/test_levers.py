@@ -14,7 +14,10 @@ TYPED = {
     "loss_chunks": ["train.loss_chunks=8"],
     "in_backward": ["train.optimizer_in_backward=true", "train.max_grad_norm=0"],
     "offload": ["train.offload=activations"],
-    "accumulate": ["batch_size=1", "train.gradient_accumulation_steps=32"],  # (LONG's batch of 32, one at a time)
+    "accumulate": [
+        "batch_size=1",
+        "train.gradient_accumulation_steps=32",
+    ],  # (LONG's batch of 32, one at a time)
     "bf16": ["train.precision=bf16"],
     "base16": ["peft.base_dtype=auto"],
     "qlora": ["peft=qlora"],
