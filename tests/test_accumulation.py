@@ -1,10 +1,13 @@
 """train.gradient_accumulation_steps: a step of several batches, their gradients summed, on both backends; its
-loss scaled as the Trainer scales it; its peak planned with every gradient held from the step's second batch."""
+loss scaled as the Trainer scales it; its peak planned with every gradient held from the step's second batch; a
+job stopped inside a step resumes from that step's end."""
 
 import pytest
 
+from pipeline import checkpoint
 from pipeline.config import ConfigError, validate
 from tests.conftest import TINY, compose_cfg
+from tests.test_checkpoint import sigterm_at, stop_signal  # noqa: F401 (a fixture)
 
 LM = ["task=causal_lm", "model=llama-tiny"]
 
@@ -53,6 +56,30 @@ def test_a_language_models_accumulated_step_is_its_big_batchs_step_with_less_mem
     assert small["peak_memory_mb"] < big["peak_memory_mb"]
     for m in (big, small):
         assert m["peak_memory_mb"] == pytest.approx(m["predicted_peak_mb"], rel=0.01)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state", "stop_signal")
+@pytest.mark.parametrize("backend", ["accelerator", "trainer"])
+def test_a_job_stopped_between_a_steps_batches_resumes_to_the_figures_of_one_never_stopped(
+    backend, tmp_path, monkeypatch
+):
+    """SIGTERM in step 5's second batch (of 3): the job stops at that step's end, checkpointed; run again it
+    resumes there, to the losses and evaluation of the run never stopped."""
+    cfg = compose_cfg(*TINY, f"backend={backend}", "train.max_steps=8", "batch_size=4",
+                      "train.gradient_accumulation_steps=3", "train.checkpoint_every=2", f"outputs_dir={tmp_path}")  # fmt: skip
+    whole = job_result(cfg, tmp_path / "whole")
+    monkeypatch.setenv(checkpoint.ENV, str(tmp_path / "checkpoints"))
+    hook = sigterm_at(3 * 4 + 2)
+    try:
+        with pytest.raises(checkpoint.Preempted) as stopped:
+            job_result(cfg, tmp_path / "first")
+    finally:
+        hook.remove()
+    assert stopped.value.step == 5
+    checkpoint._asked.clear()
+    resumed = job_result(cfg, tmp_path / "second")
+    assert resumed["series"]["train_loss"] == whole["series"]["train_loss"]
+    assert resumed["metrics"]["eval_loss"] == whole["metrics"]["eval_loss"]
 
 
 @pytest.mark.parametrize(
