@@ -40,9 +40,10 @@ ALL_STEPS="gate sweep real_size batch_search real_size_2 quick budget rest"
 # 0: the time left
 declare -A LIMIT_S=([gate]=45 [sweep]=220 [real_size]=185 [batch_search]=115 [real_size_2]=270 [quick]=100
     [budget]=165 [rest]=0)
-GRACE_S=10    # between a step's SIGTERM at its time-out and its SIGKILL
-RESERVE_S=15  # kept for the summary and the tarball at the end
-MIN_STEP_S=20 # a step given less than this is skipped
+# (each settable from the environment, as the tests of the lease's own time-outs set them smaller)
+GRACE_S=${LEASE_GRACE_S:-10}       # between a step's SIGTERM at its time-out and its SIGKILL
+RESERVE_S=${LEASE_RESERVE_S:-15}   # kept for the summary and the tarball at the end
+MIN_STEP_S=${LEASE_MIN_STEP_S:-20} # a step given less than this is skipped
 QUICK_TESTS=(
     "tests/test_gpu.py::test_two_jobs_started_warm_on_the_gpu_finish_with_their_own_peaks"
     "tests/test_optimizers.py::test_adalomo_on_cuda_as_it_is"

@@ -71,8 +71,9 @@ def _job_record(n: int) -> tuple[dict, dict, dict, dict]:
     return params, metrics, series, tags
 
 
-def client(n: int, uri: str, experiment_id: str, parent: str, folder: str, go: float, out) -> None:
-    """One job's recording, as pipeline.runner and pipeline.journal do it."""
+def client(n: int, uri: str, experiment_id: str, parent: str, folder: str, ready, go, out) -> None:
+    """One job's recording, as pipeline.runner and pipeline.journal do it: once imported and connected it says
+    so on `ready`, and records when `go` is set."""
     os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = USER, PASSWORD
     from pipeline.tracking import Tracker
 
@@ -80,7 +81,8 @@ def client(n: int, uri: str, experiment_id: str, parent: str, folder: str, go: f
     config = Path(folder) / f"config-{n}.yaml"
     config.write_text("".join(f"{k}: {v}\n" for k, v in params.items()) * 4)
     tracker = Tracker(uri)
-    time.sleep(max(0.0, go - time.time()))
+    ready.put(n)
+    go.wait(timeout=1800)
     start, error = time.time(), None
     try:
         run_id = tracker.start_run(experiment_id, f"client-{n}", parent, {"client": str(n)})
@@ -111,14 +113,16 @@ def measure(store: str, uri_of_store: str, auth_store: str, folder: Path, client
         experiment_id = tracker.experiment_id("server-load")
         parent = tracker.start_run(experiment_id, f"load-{clients}", tags={"kind": "sweep"})
         ctx = multiprocessing.get_context("spawn")
-        out = ctx.Queue()
-        go = time.time() + 15 + clients * 0.5  # every client imported and connected before the signal
+        ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
         procs = [
-            ctx.Process(target=client, args=(n, server.uri, experiment_id, parent, str(folder), go, out))
+            ctx.Process(target=client, args=(n, server.uri, experiment_id, parent, str(folder), ready, go, out))
             for n in range(clients)
         ]
         for proc in procs:
             proc.start()
+        for _ in procs:  # every client imported and connected before the signal
+            ready.get(timeout=1800)
+        go.set()
         done = [out.get(timeout=1800) for _ in procs]
         for proc in procs:
             proc.join(timeout=60)

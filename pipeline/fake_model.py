@@ -5,6 +5,7 @@ builds it (pipeline.models.build, pipeline.adapters.apply). pipeline.plan runs i
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 from typing import NamedTuple
@@ -190,18 +191,38 @@ def fake_model(
 
 
 class FakeJob(NamedTuple):
-    """The fake model of a job (`job_model`): its adapters' settings as a key (peft_settings), the model at the
-    job's depth, and `build(config)`: (fake mode, model) of another depth of it, built alike."""
+    """The fake model of a job (`job_model`): its adapters' settings as a key (peft_settings), its weights at
+    the job's depth (`model`: what the pass alone changes left out, `weights_of`), `build(config)`: (fake mode,
+    model) of another depth of it, built as the job trains it, and `weights(config)`: the same, as `model`."""
 
     peft: str | None
     model: object
     build: object
+    weights: object
+
+
+# what a config carries for the forward and backward pass alone (pipeline.plan_job.planned_config): the weights
+# and the optimizer's step are the same without it
+PASS_ONLY = ("loss_chunks", "offload_activations")
+
+
+def weights_of(model_config):
+    """`model_config` without what changes the pass alone: plans that differ only there (checkpointing, a
+    chunked loss, offloaded activations) share one model and one optimizer step."""
+    if not any(hasattr(model_config, key) for key in PASS_ONLY):
+        return model_config
+    config = copy.deepcopy(model_config)
+    for key in PASS_ONLY:
+        if hasattr(config, key):
+            delattr(config, key)
+    return config
 
 
 def job_model(model_config, cfg) -> FakeJob:
     """The job's model on fake tensors as `cfg` trains it: its precision, checkpointing, task and adapters."""
     peft = peft_settings(cfg)
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
-    settings = {"precision": cfg.train.precision, "checkpointing": checkpointing, "task": cfg.task.name}
-    build = functools.partial(fake_model, **settings, peft=peft)
-    return FakeJob(peft, build(model_config)[1], build)
+    settings = {"precision": cfg.train.precision, "task": cfg.task.name, "peft": peft}
+    build = functools.partial(fake_model, **settings, checkpointing=checkpointing)
+    weights = functools.partial(fake_model, **settings, checkpointing=False)
+    return FakeJob(peft, weights(weights_of(model_config))[1], build, weights)

@@ -42,7 +42,15 @@ from pipeline.cuda_kernels import cuda_kernels
 from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
 # the fake model the step runs on (and the names callers reach it by here)
-from pipeline.fake_model import _fake_model, _stack, fake_mode, fake_model, job_model, peft_settings  # noqa: F401
+from pipeline.fake_model import (  # noqa: F401
+    _fake_model,
+    _stack,
+    fake_mode,
+    fake_model,
+    job_model,
+    peft_settings,
+    weights_of,
+)
 from pipeline.memory import KINDS
 from pipeline.plan_ranks import MAX_BATCH
 
@@ -555,7 +563,7 @@ def simulate(
     held = cfg.train.get("gradient_accumulation_steps", 1) > 1
     steps = profile(model_config, precision, checkpointing, seq, names, *args, held)
     host = None  # train.offload=activations: what the pass holds on the host
-    if getattr(model.config, "offload_activations", False):
+    if getattr(model_config, "offload_activations", False):
         masked = unmasked == "none" or (unmasked == "one" and batch > 1)
         host = offloaded_mb(job.build, model_config, task, batch, seq, names, cuda, precision, masked)
     fb = reported(steps.parts(batch), vocab)
@@ -574,7 +582,9 @@ def simulate(
         if key not in _OPTIMIZER_STEP:
 
             def step() -> list:
-                return list(optimizer_step(model_config, job.build, spec, cfg, cuda, task, grid))
+                return list(
+                    optimizer_step(weights_of(model_config), job.weights, spec, cfg, cuda, task, grid)
+                )
 
             _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
         step, method = _OPTIMIZER_STEP[key]

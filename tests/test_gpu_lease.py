@@ -226,9 +226,11 @@ def test_the_gate_names_the_package_and_the_versions_in_conflict(tmp_path):
     ]
 
 
-def lease(tmp_path: Path, *args: str, python: Path | None = None) -> tuple[subprocess.Popen, Path, Path]:
+def lease(
+    tmp_path: Path, *args: str, python: Path | None = None, env: dict | None = None
+) -> tuple[subprocess.Popen, Path, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**cli_env(), "OUT": str(out), "LEASE_WORK": str(work)}
+    env = {**cli_env(), "OUT": str(out), "LEASE_WORK": str(work), **(env or {})}
     if python is not None:
         env["PYTHON"] = str(python)
     proc = subprocess.Popen(
@@ -265,17 +267,19 @@ def files_back(out: Path) -> list[Path]:
     return files
 
 
-@pytest.mark.slow  # about 45 s: a step is left to its time-out
+@pytest.mark.slow  # about 20 s: a step is left to its (shortened) time-out
 def test_a_step_that_hangs_is_killed_at_its_time_out_and_the_lease_keeps_its_budget(tmp_path):
     """The quick tests hang and ignore SIGTERM: at their time-out they are killed, the step after them is
     skipped for want of time, the lease ends within its budget, and $OUT holds a summary that says so and the
     logs, within what a device call brings back (8 files, 2 folders down)."""
     python, pid_file = hanging_python(tmp_path)
     start = time.monotonic()
-    proc, out, work = lease(tmp_path, "--only", "quick,rest", "--budget", "50", python=python)
+    # the lease's time-outs made smaller: its grace after SIGTERM, its reserve, the shortest step it starts
+    short = {"LEASE_GRACE_S": "3", "LEASE_RESERVE_S": "5", "LEASE_MIN_STEP_S": "5"}
+    proc, out, work = lease(tmp_path, "--only", "quick,rest", "--budget", "25", python=python, env=short)
     output, _ = proc.communicate(timeout=120)
     elapsed = time.monotonic() - start
-    assert elapsed < 50 + 5, output
+    assert elapsed < 25 + 5, output
     assert proc.returncode == 1, output  # a step failed
     summary = (out / "summary.md").read_text()
     assert re.search(r"\| quick \| TIMED OUT after \d+ s \| \d+ \|", summary), summary
