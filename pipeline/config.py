@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from pipeline import adapters, models
+from pipeline import adapters, models, offload
 from pipeline.checkpoint import valid_every
 from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY, header
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
@@ -231,22 +231,19 @@ def _check_flash_attention(cfg: DictConfig) -> None:
 def _check_in_backward(cfg: DictConfig) -> None:
     """Optimizers that update inside the backward pass (LOMO, layer-wise, train.optimizer_in_backward) run in
     one process without clipping; LOMO's and the layer-wise ones are measured by training (not planned);
-    AdaLomo needs CUDA (checked here for jobs that run on this machine)."""
+    AdaLomo needs CUDA (checked here for jobs that run on this machine). train.offload=optimizer's limits."""
     spec = spec_for(cfg.optim)
     name, lever = cfg.optim.name, cfg.train.get("optimizer_in_backward")
     what = "train.optimizer_in_backward=true" if lever else f"optim={name}"
     if lever and (spec.in_backward or cfg.train.max_grad_norm):
-        why = (
-            "it updates inside the backward pass already"
-            if spec.in_backward
-            else (
-                "clipping needs every gradient at once, and each is used and freed as it arrives (train.max_grad_norm=0)"
-            )
-        )
+        why = "clipping needs every gradient at once, and each is used and freed as it arrives (train.max_grad_norm=0)"
+        why = "it updates inside the backward pass already" if spec.in_backward else why
         raise ConfigError(
             f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: {why}",
             ("train.optimizer_in_backward", "optim.name", "train.max_grad_norm"),
         )
+    if (refused := offload.refusal(cfg, spec)) is not None:
+        raise ConfigError(*refused)
     if (spec.in_backward or lever) and cfg.train.gradient_accumulation_steps > 1:
         raise ConfigError(
             f"{what} is invalid with train.gradient_accumulation_steps={cfg.train.gradient_accumulation_steps}: "

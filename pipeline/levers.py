@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from omegaconf import OmegaConf, open_dict
 
-from pipeline import adapters, models
+from pipeline import adapters, models, offload
 
 
 class Lever(NamedTuple):
@@ -32,6 +32,11 @@ LEVERS = {
         "train.offload=activations",
         "the same math; every saved activation copied to the host in forward and back in backward (PCIe traffic "
         "a step, host memory the size of the activations)",
+    ),
+    "offload_optimizer": Lever(
+        "train.offload=optimizer",
+        "the same update, made by the host's CPU: each step copies the gradients to the host and the weights back "
+        "(PCIe traffic a step, host memory for the state and a copy of the trained weights and their gradients)",
     ),
     "in_backward": Lever(
         "train.optimizer_in_backward=true train.max_grad_norm=0",
@@ -102,6 +107,11 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
     in_backward = cfg.train.get("optimizer_in_backward") or spec_for(cfg.optim).in_backward
     if one_process and not in_backward and cfg.train.get("gradient_accumulation_steps", 1) == 1:
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
+    if (
+        cfg.train.get("offload", "none") == "none"
+        and offload.refusal(with_lever(cfg, {"train.offload": "optimizer"}), spec_for(cfg.optim)) is None
+    ):
+        found["offload_optimizer"] = {"train.offload": "optimizer"}
     if peak_in_pass and cfg.batch_size > 1 and not in_backward:  # (at one sample a batch: the least it holds)
         found["accumulate"] = {"batch_size": 1, "train.gradient_accumulation_steps": effective_batch(cfg)}
     if precision == "fp32":

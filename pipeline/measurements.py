@@ -249,7 +249,8 @@ def measure(cfg, choice, built, splits, trained) -> dict:
     if "prediction_method" in predicted:  # a tag, not a metric
         record["tags"]["prediction_method"] = predicted.pop("prediction_method")
     record["metrics"] |= {**predicted, "peak_rss_mb": peak_rss_mb()}
-    held = getattr(built.model, "host_offload", None)  # train.offload=activations: what the host held
+    # train.offload: what the host held (the saved activations, or the optimizer's state and copies)
+    held = getattr(built.model, "host_offload", None) or getattr(trained.output.optimizer, "held", None)
     if held is not None:
         record["metrics"]["peak_host_mb"] = held.peak / MB
     return record

@@ -342,7 +342,8 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
 
 
-OFFLOADS = ("none", "activations")  # train.offload's values: what is held on the host (pipeline.offload)
+# train.offload's values: what is held on the host (pipeline.offload)
+OFFLOADS = ("none", "activations", "optimizer")
 # model.attn_implementation's values (None: transformers' default)
 ATTENTION = (None, "sdpa", "eager", "flash_attention_2")
 

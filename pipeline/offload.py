@@ -1,5 +1,6 @@
-"""train.offload=activations: what the forward pass saves for backward kept in host memory until backward uses
-it, so that the device holds the pass's working set instead of every layer's saved activations.
+"""train.offload: what a job keeps in host memory instead of the device's. `activations`: what the forward pass
+saves for backward, kept there until backward uses it, so that the device holds the pass's working set instead
+of every layer's saved activations. `optimizer`: the optimizer's state and its step (`OffloadedOptimizer`).
 
 The pattern of torch.autograd.graph.save_on_cpu (on CUDA a pinned host copy, made without waiting, and a copy
 back to the device when backward needs it), with the model's own weights and buffers left where they are, as
@@ -16,6 +17,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 
@@ -80,3 +82,84 @@ def install(model, on: bool | None = None) -> None:
             return forward(*args, **kwargs)
 
     model.forward, model.host_offload = offloaded, held
+
+
+def refusal(cfg, spec) -> tuple[str, tuple] | None:
+    """train.offload=optimizer where it cannot run, as one line and the keys it names; None where it can: an
+    optimizer of torch's kind, rebuilt on each weight's host copy, stepped after backward, in one process."""
+    if cfg.train.get("offload") != "optimizer":
+        return None
+    what = f"train.offload=optimizer is invalid with optim={cfg.optim.name}"
+    if spec.in_backward or cfg.train.get("optimizer_in_backward"):
+        why = "it steps each weight inside the backward pass, on the device"
+        return f"{what} / train.optimizer_in_backward: {why}", ("train.offload", "optim.name")
+    if spec.compiles_step or "bitsandbytes" in spec.requires:
+        return f"{what}: its step runs kernels of its own on the device", ("train.offload", "optim.name")
+    if cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none":
+        why = "the host's step is one process's (launcher.nproc_per_job=1, train.sharding=none)"
+        return f"{what} / launcher.nproc_per_job={cfg.launcher.nproc_per_job}: {why}", (
+            "train.offload",
+            "launcher.nproc_per_job",
+            "train.sharding",
+        )
+    return None
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """train.offload=optimizer: the optimizer's state and its step in host memory, as torchao's
+    CPUOffloadOptimizer keeps them (which runs on CUDA only), for any optimizer of `whole`'s class: a host copy of
+    each trained weight and of its gradient, and on it an optimizer of that class and that weight's group
+    settings (`offloaded`). Its step copies each gradient to the host, steps there and copies the weight back:
+    the device holds the weights and their gradients, no state. The host copies are counted in `held`; on a
+    CPU device they are made and stepped outside the memory trackers, as a GPU's trackers do not see the host.
+    Its `param_groups` are the host optimizers' (a schedule sets their rates); `state` is the device's (none)."""
+
+    def __init__(self, whole: torch.optim.Optimizer):
+        self.held, self.offloaded, self._host, self._counted = HostBytes(), {}, {}, False
+        with _disable_current_modes():
+            for group in whole.param_groups:
+                settings = {k: v for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    pinned = p.device.type == "cuda"
+                    host = torch.empty_like(p, device="cpu", pin_memory=pinned).copy_(p.detach())
+                    host.grad = torch.zeros_like(host, pin_memory=pinned)
+                    self.held.add(host.untyped_storage()), self.held.add(host.grad.untyped_storage())
+                    self.offloaded[p], self._host[p] = type(whole)([{**settings, "params": [host]}]), host
+        super().__init__(list(self.offloaded), whole.defaults)
+        self.param_groups = [group for inner in self.offloaded.values() for group in inner.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, inner in self.offloaded.items():
+            if p.grad is None:
+                continue
+            host = self._host[p]
+            with _disable_current_modes():
+                host.grad.copy_(p.grad, non_blocking=True)
+                if p.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                # the host step without the optimizer hooks: the trackers see one step, this one
+                type(inner).step.__wrapped__(inner)
+            p.copy_(host, non_blocking=True)
+        if not self._counted:  # the state, made by the first step: counted once
+            self._counted = True
+            for inner in self.offloaded.values():
+                for value in tree_leaves(inner.state):
+                    if isinstance(value, torch.Tensor):
+                        self.held.add(value.untyped_storage())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.offloaded:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"offloaded": [inner.state_dict() for inner in self.offloaded.values()]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for inner, state in zip(self.offloaded.values(), state_dict["offloaded"], strict=True):
+            inner.load_state_dict(state)
+        with _disable_current_modes():  # the weights as they are now (a resumed job's, loaded before this)
+            for p, host in self._host.items():
+                host.copy_(p.detach())
+        # (torch's load makes new groups: the schedule sets the rates of those)
+        self.param_groups = [group for inner in self.offloaded.values() for group in inner.param_groups]

@@ -558,6 +558,8 @@ def simulate(
     params = optimizers.param_infos(model)
     whole, outside = spec.held_estimate(params, cfg, spec.variant(cfg.backend.name, cfg), model.config, cuda)
     state, paged = (whole.bytes - outside.bytes) / MB, outside.bytes / MB  # on CUDA paged state is not held
+    on_host = cfg.train.get("offload") == "optimizer"  # the state and its step on the host (in `host`)
+    paged = 0.0 if on_host else paged  # (held outside the device as a paged one's is, but not paged)
     args = (store, cuda, task, peft, unmasked, (base, cfg, settings) if in_backward else None)
     # a step of several batches: the later ones run with every gradient held (the first without: less)
     held = cfg.train.get("gradient_accumulation_steps", 1) > 1
@@ -566,6 +568,9 @@ def simulate(
     if getattr(model_config, "offload_activations", False):
         masked = unmasked == "none" or (unmasked == "one" and batch > 1)
         host = offloaded_mb(job.build, model_config, task, batch, seq, names, cuda, precision, masked)
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if on_host:  # the state, and a host copy of each trained weight and its gradient (pipeline.offload)
+        host = (whole.bytes + 2 * trained) / MB
     fb = reported(steps.parts(batch), vocab)
     # step 2's pass holds the state and makes each step: no step over all gradients (a step that cannot run on
     # fake tensors leaves the pass without state: below)
@@ -576,6 +581,10 @@ def simulate(
         one_step = sum(base.step_temporaries) * largest / MB
         at_fb = {**fb, "optimizer": state, "other": fb["other"] + one_step}
         step, method = at_fb, "forward/backward simulated; each weight's step inside backward analytic"
+    elif on_host:  # the device's step: each gradient copied out, each weight copied back in place
+        weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        step = {**dict.fromkeys(fb, 0.0), "params": weights / MB, "grads": trained / MB}
+        at_fb, method = fb, "forward/backward simulated; the optimizer's step on the host"
     else:
         grid = tuple(grid or UPPER_GRID) if cuda else None  # the reductions' buffers: a GPU's step only
         key = (model.plan_key, settings, cfg.train.max_grad_norm, cfg.backend.name, cuda, grid)
@@ -599,6 +608,7 @@ def simulate(
         "peak": sum(parts.values()),
         "state": state,
         "paged": paged,
+        "estimate": whole.bytes / MB,  # the whole state, wherever it is held
         "step_peak": sum(step.values()) + extra,
         "method": method,
         "step": step,

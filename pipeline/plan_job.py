@@ -199,13 +199,13 @@ def plan_result(cfg) -> dict:
             if adapters.name(cfg) == "none"
             else {"model_trainable_params": adapters.trainable_params(model)}
         ),
-        "estimated_optimizer_state_mb": prediction["state"] + prediction["paged"],
+        "estimated_optimizer_state_mb": prediction["estimate"],
         # a paged optimizer's state in CUDA unified memory: outside the allocator and the predicted peak
         **({"predicted_paged_state_mb": prediction["paged"]} if prediction["paged"] else {}),
         "predicted_peak_mb": prediction["peak"],
         **{f"predicted_peak_{k}_mb": v for k, v in prediction["parts"].items()},
         "predicted_step_peak_mb": prediction["step_peak"],
-        # train.offload=activations: what they hold on the host, beside the device's peak
+        # train.offload: what the host holds (the activations, or the optimizer's state and copies)
         **({} if prediction["host"] is None else {"predicted_host_mb": prediction["host"]}),
         **logits_metrics(prediction, cfg.batch_size),
         "accelerate_estimate_mb": predict.accelerate_estimate_mb(num_params, cfg.train.precision),

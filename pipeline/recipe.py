@@ -1,14 +1,14 @@
-"""The recipe of a point that does not fit its budget: the cheapest combination of the levers
-(pipeline.levers) that fits it on its own GPUs, searched in the order of what each lever changes: first those
-that keep the training math (the step inside backward, the loss in pieces, smaller batches accumulated into
-the same step, checkpointing, the activations on the host: cheapest step first), then those that approximate
-it (mixed bf16, bf16 weights without a master copy, a 16-bit frozen base, 8-bit AdamW state, a 4-bit frozen
-base), another optimizer last. Each lever joins the combination where it lowers the peak (in two rounds: one
-that lowered nothing may, once the others have moved the peak); the first combination that fits, less each
-lever it still fits without (the latest first), is the recipe (param `recipe`: the overrides as one types
-them; `recipe_kinds`: each lever's kind; metrics `recipe_peak_mb`, `recipe_max_batch_size`). Where none fits:
-`recipe` none and the smallest peak any combination reached (`recipe_peak_mb`). More GPUs (sharding over more
-ranks) are not in it: the plan's `lever_<sharding>_ranks` says how many would fit."""
+"""The recipe of a point that does not fit its budget: the cheapest combination of the levers (pipeline.levers)
+that fits it on its own GPUs, searched in the order of what each lever changes: first those that keep the
+training math (the step inside backward, the loss in pieces, smaller batches accumulated into the same step,
+checkpointing, the activations on the host, the optimizer on the host: cheapest step first), then those that
+approximate it (mixed bf16, bf16 weights without a master copy, a 16-bit frozen base, 8-bit AdamW state, a
+4-bit frozen base), another optimizer last. Each lever joins the combination where it lowers the peak (in two
+rounds: one that lowered nothing may, once the others have moved the peak); the first combination that fits,
+less each lever it still fits without (the latest first), is the recipe (param `recipe`: the overrides as one
+types them; `recipe_kinds`: each lever's kind; metrics `recipe_peak_mb`, `recipe_max_batch_size`). Where none
+fits: `recipe` none and the smallest peak any combination reached (`recipe_peak_mb`). More GPUs (sharding over
+more ranks) are not in it: the plan's `lever_<sharding>_ranks` says how many would fit."""
 
 from __future__ import annotations
 
@@ -20,15 +20,21 @@ APPROXIMATES = "approximates it"
 OTHER = "another optimizer"
 # the order the search tries them in: by kind, then by what a step costs (recomputation, slower kernels)
 ORDER = (
-    (KEEPS, ("in_backward", "loss_chunks", "accumulate", "checkpointing", "offload")),
+    (KEEPS, ("in_backward", "loss_chunks", "accumulate", "checkpointing", "offload", "offload_optimizer")),
     (APPROXIMATES, ("bf16", "bf16_pure", "base16", "adamw_8bit", "qlora")),
     (OTHER, ("adafactor",)),
 )
 # the levers of the forward and backward pass
 PASS = ("loss_chunks", "accumulate", "checkpointing", "offload")
-# levers that replace one another: the optimizers; accumulating, which needs every gradient held to the step,
-# and the step inside backward, which frees each as it arrives
-EXCLUSIVE = (set(OPTIMIZERS), {"in_backward", "accumulate"})
+# levers that replace one another: the optimizers; the step inside backward, which frees each gradient as it
+# arrives, and accumulating, which holds them to the step, or the step on the host; the two things offloaded
+# (one train.offload)
+EXCLUSIVE = (
+    set(OPTIMIZERS),
+    {"in_backward", "accumulate"},
+    {"in_backward", "offload_optimizer"},
+    {"offload", "offload_optimizer"},
+)
 
 
 def kind_of(name: str, cfg) -> str:

@@ -94,6 +94,8 @@ def optimizer_state_size(optimizer: torch.optim.Optimizer) -> StateSize:
 
     for state in held_state(optimizer).values():
         add(state)
+    for inner in getattr(optimizer, "offloaded", {}).values():  # train.offload=optimizer: the host's
+        add(inner.state)
     return StateSize(numel, nbytes)
 
 

@@ -14,6 +14,7 @@ TYPED = {
     "loss_chunks": ["train.loss_chunks=8"],
     "in_backward": ["train.optimizer_in_backward=true", "train.max_grad_norm=0"],
     "offload": ["train.offload=activations"],
+    "offload_optimizer": ["train.offload=optimizer"],
     "accumulate": [
         "batch_size=1",
         "train.gradient_accumulation_steps=32",
@@ -37,17 +38,17 @@ LONG = ["batch_size=32", "train.max_length=128"]
     [
         (
             ["model=tiny", *LONG],
-            {"checkpointing", "offload", "in_backward", "accumulate", "bf16", "bf16_pure", "adamw_8bit",
+            {"checkpointing", "offload", "offload_optimizer", "in_backward", "accumulate", "bf16", "bf16_pure", "adamw_8bit",
              "adafactor"},
         ),
         (
             ["model=llama-tiny", "peft=lora", "train.precision=bf16", "peft.base_dtype=fp32", *LONG],
-            {"checkpointing", "offload", "in_backward", "accumulate", "base16", "qlora", "adamw_8bit",
+            {"checkpointing", "offload", "offload_optimizer", "in_backward", "accumulate", "base16", "qlora", "adamw_8bit",
              "adafactor"},
         ),
         (
             ["task=causal_lm", "model=llama-tiny", *LONG],
-            {"checkpointing", "loss_chunks", "offload", "in_backward", "accumulate", "bf16", "bf16_pure",
+            {"checkpointing", "loss_chunks", "offload", "offload_optimizer", "in_backward", "accumulate", "bf16", "bf16_pure",
              "adamw_8bit", "adafactor"},
         ),
     ],

@@ -7,6 +7,7 @@ import torch
 from pipeline import MB, levers, models, optimizers, plan, plan_job
 from pipeline.config import ConfigError, validate
 from tests.conftest import ROOT, compose_cfg
+from tests.test_checkpoint import stop_signal  # noqa: F401 (a fixture)
 
 LM = ["task=causal_lm", "model=llama-tiny"]
 
@@ -222,6 +223,72 @@ def test_offloaded_activations_beside_adapters_and_the_loss_in_pieces_train_as_p
     on = case("llama-tiny", 8, 256, False, False, tmp_path, "bf16", backend="trainer", extra=extra)["metrics"]
     assert abs(on["predicted_peak_error_pct"]) <= 1, on
     assert on["peak_host_mb"] == pytest.approx(on["predicted_host_mb"], abs=100 / MB)
+
+
+@pytest.mark.slow  # four tiny jobs: about 10 s
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("backend", ["accelerator", "trainer"])
+def test_the_optimizer_on_the_host_takes_its_state_off_the_device_as_planned(backend, tmp_path):
+    """train.offload=optimizer (llama-tiny, AdamW): each weight's optimizer steps a host copy, which a CPU job
+    keeps outside its trackers as a GPU's trackers do not see the host: the device peak the plan's within 1%,
+    below the same job's without it by the state; the host holding the state and a copy of the trained weights
+    and of their gradients, as planned; the same losses."""
+    from pipeline import job
+
+    runs = {}
+    for where in ("none", "optimizer"):
+        cfg = compose_cfg(*LM, "data.max_train_samples=64", "data.max_eval_samples=32", "train.max_steps=4",
+                          f"backend={backend}", f"train.offload={where}", f"outputs_dir={tmp_path}")  # fmt: skip
+        (tmp_path / where).mkdir()
+        runs[where] = job.run(cfg, tmp_path / where)
+    off, on = runs["none"]["metrics"], runs["optimizer"]["metrics"]
+    assert on["peak_memory_mb"] == pytest.approx(on["predicted_peak_mb"], rel=0.01)
+    assert off["peak_memory_mb"] - on["peak_memory_mb"] == pytest.approx(on["optimizer_state_mb"], rel=0.01)
+    copies = 2 * on["model_num_params"] * 4 / MB  # fp32 weights and gradients, each once on the host
+    assert on["peak_host_mb"] == pytest.approx(on["optimizer_state_mb"] + copies, rel=1e-6)
+    assert on["predicted_host_mb"] == pytest.approx(on["peak_host_mb"], rel=1e-6)
+    assert runs["optimizer"]["series"]["train_loss"] == runs["none"]["series"]["train_loss"]
+
+
+@pytest.mark.slow  # three tiny jobs each: about 8 s
+@pytest.mark.usefixtures("fresh_accelerate_state", "stop_signal")
+@pytest.mark.parametrize("backend", ["accelerator", "trainer"])
+def test_a_job_with_the_optimizer_on_the_host_resumes_to_the_figures_of_one_never_stopped(
+    backend, tmp_path, monkeypatch
+):
+    """Stopped by SIGTERM in step 5 and run again: the host's state and weights come back from the checkpoint
+    (the weights as the device's, loaded first), to the losses and evaluation of the run never stopped."""
+    from pipeline import checkpoint
+    from tests.test_checkpoint import job_result, sigterm_at
+
+    cfg = compose_cfg("model=tiny", "data.max_train_samples=64", "data.max_eval_samples=32", f"backend={backend}",
+                      "train.max_steps=8", "train.offload=optimizer", "train.checkpoint_every=2",
+                      f"outputs_dir={tmp_path}")  # fmt: skip
+    whole = job_result(cfg, tmp_path / "whole")
+    monkeypatch.setenv(checkpoint.ENV, str(tmp_path / "checkpoints"))
+    hook = sigterm_at(5)
+    try:
+        with pytest.raises(checkpoint.Preempted):
+            job_result(cfg, tmp_path / "first")
+    finally:
+        hook.remove()
+    checkpoint._asked.clear()
+    resumed = job_result(cfg, tmp_path / "second")
+    assert resumed["series"]["train_loss"] == whole["series"]["train_loss"]
+    assert resumed["metrics"]["eval_loss"] == whole["metrics"]["eval_loss"]
+
+
+def test_the_optimizer_on_the_host_refuses_what_steps_elsewhere_in_one_line():
+    for extra, said in (
+        (["optim=adamw_8bit"], "its step runs kernels of its own on the device"),
+        (["train.optimizer_in_backward=true", "train.max_grad_norm=0"], "inside the backward pass"),
+        (["backend=accelerator", "launcher.nproc_per_job=2"], "one process's"),
+    ):
+        with pytest.raises(ConfigError, match="train.offload=optimizer is invalid") as err:
+            validate(compose_cfg(*LM, "train.offload=optimizer", *extra))
+        assert said in str(err.value) and "\n" not in str(err.value)
+    assert "offload_optimizer" in levers.applicable(compose_cfg(*LM))
+    assert "offload_optimizer" not in levers.applicable(compose_cfg(*LM, "optim=adamw_8bit"))
 
 
 TORCHTUNE_LORA_4090_MIB = 16.2 * 1024  # torchtune's README: Llama 3.1 8B, LoRA, 1x 4090, peak memory per GPU

@@ -77,12 +77,28 @@ def choose(cfg) -> Choice:
     """The registry's one answer for a job's config: its entry (`spec_for`), the Trainer's `optim=` string
     when the job runs on the Trainer and that string's path carries the config's settings (None: the backend
     builds `spec.build`'s object), and the variant the estimate follows (`OptimizerSpec.variant`). With
-    train.optimizer_in_backward, the entry's optimizer stepped inside backward, one per parameter."""
+    train.optimizer_in_backward, the entry's optimizer stepped inside backward, one per parameter; with
+    train.offload=optimizer, its state and step on the host (`offloaded`)."""
     spec = spec_for(cfg.optim)
     if cfg.train.get("optimizer_in_backward"):
         spec = in_backward.optimizer_in_backward(spec)
+    if cfg.train.get("offload") == "optimizer":
+        spec = offloaded(spec)
     string = spec.trainer_string(cfg) if cfg.backend.name == "trainer" else None
     return Choice(spec=spec, trainer_optim=string, variant=spec.trainer_variant if string else None)
+
+
+def offloaded(spec: OptimizerSpec) -> OptimizerSpec:
+    """train.offload=optimizer: `spec`'s optimizer with its state and step on the host
+    (pipeline.offload.OffloadedOptimizer). The Trainer is handed the object; the state is `spec`'s."""
+    import dataclasses
+
+    from pipeline.offload import OffloadedOptimizer
+
+    def build(model, cfg):
+        return OffloadedOptimizer(spec.build(model, cfg))
+
+    return dataclasses.replace(spec, build=build, trainer_optim=None)
 
 
 def missing_packages(spec: OptimizerSpec) -> list[str]:

@@ -132,8 +132,10 @@ class OptimizerSpec:
 
     def held_estimate(self, params, cfg, variant, model_config, cuda: bool) -> tuple[StateSize, StateSize]:
         """(the whole state estimate, its part held outside the device's caching allocator): on CUDA what a
-        paged optimizer pages, else nothing."""
+        paged optimizer pages, with train.offload=optimizer all of it (on the host), else nothing."""
         whole = self.estimate(params, cfg, variant, model_config)
+        if cfg.train.get("offload") == "optimizer":
+            return whole, whole
         outside = self.paged_estimate if cuda and self.paged_estimate is not None else None
         return whole, StateSize(0, 0) if outside is None else outside(params, cfg, variant, model_config)
 
