@@ -92,6 +92,8 @@ def test_the_bundle_runs_a_job_in_a_python_that_has_only_it_and_what_a_gpu_machi
     machine = gpu_machine_site(tmp_path / "gpu-machine" / "site-packages")
     Path(packages, "gpu_machine.pth").write_text(f"{machine}\n")
     env = {**cli_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    # (its bytecode written as a machine's Python writes it by default, once: not compiled again by each process)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     imports = (
         "import pkgutil, importlib, pipeline, pipeline.backends, pipeline.optimizers, pipeline.report; "
         "[importlib.import_module(m.name) for p in (pipeline, pipeline.backends, pipeline.optimizers, "
