@@ -115,7 +115,9 @@ def measure(store: str, uri_of_store: str, auth_store: str, folder: Path, client
         ctx = multiprocessing.get_context("spawn")
         ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
         procs = [
-            ctx.Process(target=client, args=(n, server.uri, experiment_id, parent, str(folder), ready, go, out))
+            ctx.Process(
+                target=client, args=(n, server.uri, experiment_id, parent, str(folder), ready, go, out)
+            )
             for n in range(clients)
         ]
         for proc in procs:

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
-from pipeline import adapters, models, offload
+from pipeline import adapters, models
 from pipeline.checkpoint import valid_every
 from pipeline.data import AUTO, FILE_BUILDERS, PACKAGED, TEXT_ONLY, header
 from pipeline.optimizers import EXTRA, REGISTRY, is_custom, missing_packages, spec_for
@@ -242,7 +242,7 @@ def _check_in_backward(cfg: DictConfig) -> None:
             f"{what} is invalid with optim={name} / train.max_grad_norm={cfg.train.max_grad_norm}: {why}",
             ("train.optimizer_in_backward", "optim.name", "train.max_grad_norm"),
         )
-    if (refused := offload.refusal(cfg, spec)) is not None:
+    if (refused := models.offload_refusal(cfg, spec)) is not None:
         raise ConfigError(*refused)
     if (spec.in_backward or lever) and cfg.train.gradient_accumulation_steps > 1:
         raise ConfigError(

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from omegaconf import OmegaConf, open_dict
 
-from pipeline import adapters, models, offload
+from pipeline import adapters, models
 
 
 class Lever(NamedTuple):
@@ -109,7 +109,8 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
     if (
         cfg.train.get("offload", "none") == "none"
-        and offload.refusal(with_lever(cfg, {"train.offload": "optimizer"}), spec_for(cfg.optim)) is None
+        and models.offload_refusal(with_lever(cfg, {"train.offload": "optimizer"}), spec_for(cfg.optim))
+        is None
     ):
         found["offload_optimizer"] = {"train.offload": "optimizer"}
     if peak_in_pass and cfg.batch_size > 1 and not in_backward:  # (at one sample a batch: the least it holds)

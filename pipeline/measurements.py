@@ -250,7 +250,9 @@ def measure(cfg, choice, built, splits, trained) -> dict:
         record["tags"]["prediction_method"] = predicted.pop("prediction_method")
     record["metrics"] |= {**predicted, "peak_rss_mb": peak_rss_mb()}
     # train.offload: what the host held (the saved activations, or the optimizer's state and copies)
-    held = getattr(built.model, "host_offload", None) or getattr(trained.output.optimizer, "held", None)
+    held = getattr(built.model, "host_offload", None) or getattr(
+        getattr(trained.output, "optimizer", None), "held", None
+    )
     if held is not None:
         record["metrics"]["peak_host_mb"] = held.peak / MB
     return record

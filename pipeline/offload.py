@@ -84,27 +84,6 @@ def install(model, on: bool | None = None) -> None:
     model.forward, model.host_offload = offloaded, held
 
 
-def refusal(cfg, spec) -> tuple[str, tuple] | None:
-    """train.offload=optimizer where it cannot run, as one line and the keys it names; None where it can: an
-    optimizer of torch's kind, rebuilt on each weight's host copy, stepped after backward, in one process."""
-    if cfg.train.get("offload") != "optimizer":
-        return None
-    what = f"train.offload=optimizer is invalid with optim={cfg.optim.name}"
-    if spec.in_backward or cfg.train.get("optimizer_in_backward"):
-        why = "it steps each weight inside the backward pass, on the device"
-        return f"{what} / train.optimizer_in_backward: {why}", ("train.offload", "optim.name")
-    if spec.compiles_step or "bitsandbytes" in spec.requires:
-        return f"{what}: its step runs kernels of its own on the device", ("train.offload", "optim.name")
-    if cfg.launcher.nproc_per_job != 1 or cfg.train.sharding != "none":
-        why = "the host's step is one process's (launcher.nproc_per_job=1, train.sharding=none)"
-        return f"{what} / launcher.nproc_per_job={cfg.launcher.nproc_per_job}: {why}", (
-            "train.offload",
-            "launcher.nproc_per_job",
-            "train.sharding",
-        )
-    return None
-
-
 class OffloadedOptimizer(torch.optim.Optimizer):
     """train.offload=optimizer: the optimizer's state and its step in host memory, as torchao's
     CPUOffloadOptimizer keeps them (which runs on CUDA only), for any optimizer of `whole`'s class: a host copy of
