@@ -256,7 +256,7 @@ def start_team_server(
 # ---- SLURM -----------------------------------------------------------------------------------------------
 
 # cred_expire: a job step's credential lifetime, and how long a requeued job waits before it starts again
-# (SLURM's default 120 s; 30 s is ample for the prolog and start of a job on this one node)
+# (SLURM's default 120 s; the prolog and a job's start on this one node take seconds: 15 s)
 SLURM_CONF = """\
 ClusterName=pipeline-test
 SlurmctldHost={host}
@@ -265,7 +265,7 @@ SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={folder}/munge.socket,cred_expire=30
+AuthInfo=socket={folder}/munge.socket,cred_expire=15
 CredType=cred/munge
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool

@@ -153,10 +153,10 @@ def _job_of(tmp_path, max_steps: str) -> str | None:
     return runs[0].data.tags.get("slurm_job_id") if runs else None
 
 
-@pytest.mark.slow  # SLURM's shortest time limit is a minute (56 s)
+@pytest.mark.slow  # SLURM's shortest time limit is a minute, submitit's warning 30 s before it
 def test_jobs_at_their_time_limit_are_failed_with_that_reason_and_the_sweep_ends(slurm_cluster, tmp_path):
     # submitit warns a job signal_delay_s before its limit; both points train past it
-    limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=15"]
+    limit = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30"]
     proc = run_cli(tmp_path, "-m", "seed=0,1", *LONG, *ONE_CORE, *limit, timeout=WAIT_S)
     assert proc.returncode == 1, proc.stderr[-3000:]
     parent, children = sweep_runs(tmp_path)
