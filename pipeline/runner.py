@@ -536,8 +536,13 @@ def finished_before(tracker, cfg: DictConfig, experiment_id: str, point: str):
 def starts_first(cfg: DictConfig, sweep: dict | None) -> bool:
     """Whether a point's job starts before the store is open: a single run (a sweep's launching process opened
     the store before its first point) of a valid config whose job starts warm. It trains while this process
-    imports MLflow and opens the store; should the point turn out FINISHED before, the job ends unrecorded."""
+    imports MLflow and opens the store; should the point turn out FINISHED before, the job ends unrecorded. Not
+    a stopped run's rerun: its job could finish and remove its checkpoints before the run reopens (resumed_run)."""
+    from pipeline.checkpoint import Checkpoints
+
     if sweep is not None or not starts_warm(cfg, scheduler_ranks(cfg)):
+        return False
+    if Checkpoints(checkpoints_dir(cfg)).latest() is not None:
         return False
     try:
         validate(cfg)

@@ -23,15 +23,16 @@ def job_result(cfg, job_dir):
 @pytest.mark.parametrize("task", [[], LM], ids=["classifier", "lm"])
 def test_both_backends_accumulate_alike_and_the_plan_holds_the_gradients(task, tmp_path):
     """3 batches of 4 a step; 64 texts are 16 batches an epoch, so its sixth step takes the one left (as the
-    Trainer groups them). Each step's loss and the evaluation are the same on both backends; the peak is the
-    plan's within 1%, with the gradients held through the step's later batches."""
+    Trainer groups them) and the seventh starts the next epoch, reshuffled alike. Each step's loss and the
+    evaluation are the same on both backends; the peak is the plan's within 1%, with the gradients held through
+    the step's later batches."""
     found = {}
     for backend in ("trainer", "accelerator"):
-        cfg = compose_cfg(*TINY, *task, f"backend={backend}", "batch_size=4", "train.max_steps=6",
+        cfg = compose_cfg(*TINY, *task, f"backend={backend}", "batch_size=4", "train.max_steps=7",
                           "train.gradient_accumulation_steps=3", f"outputs_dir={tmp_path}")  # fmt: skip
         found[backend] = job_result(cfg, tmp_path / backend)
     trainer, accelerator = found["trainer"], found["accelerator"]
-    assert len(trainer["series"]["train_loss"]) == 6
+    assert len(trainer["series"]["train_loss"]) == 7
     assert accelerator["series"]["train_loss"] == pytest.approx(trainer["series"]["train_loss"], rel=1e-5)
     assert accelerator["metrics"]["eval_loss"] == pytest.approx(trainer["metrics"]["eval_loss"], rel=1e-5)
     for result in found.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from pathlib import Path
 
@@ -33,11 +34,15 @@ from pipeline.data import IGNORE_INDEX
 from pipeline.optimizers import LAYERWISE, LOMO
 
 
-def batches(loader, steps: int, accumulation: int = 1):
+def batches(loader, steps: int, accumulation: int = 1, reseed=None):
     """`steps` steps' batches, `accumulation` a step (train.gradient_accumulation_steps) and at an epoch's end
-    those left, as the Trainer groups them; a new (reshuffled) epoch whenever the loader runs out."""
+    those left, as the Trainer groups them; a new (reshuffled) epoch whenever the loader runs out, its order
+    seeded by `reseed(epoch)` first where given (as accelerate's seedable sampler under the Trainer: the run's
+    seed + the epoch)."""
     done = 0
-    while True:
+    for epoch in itertools.count():
+        if reseed is not None:
+            reseed(epoch)
         group = []
         for batch in loader:
             if done == steps:
@@ -223,7 +228,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
     saves = checkpoint.Checkpoints.of_job(cfg, bool(spec.in_backward))
-    data = batches(train_loader, cfg.train.max_steps, cfg.train.gradient_accumulation_steps)
+    reseed = None if cfg.train.group_by_length else (lambda epoch: generator.manual_seed(cfg.seed + epoch))
+    data = batches(train_loader, cfg.train.max_steps, cfg.train.gradient_accumulation_steps, reseed)
     first = resume(
         saves, accelerator.unwrap_model(model), optimizer, scheduler, data, collate, losses, val_series
     )
