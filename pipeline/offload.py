@@ -102,7 +102,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     pinned = p.device.type == "cuda"
                     host = torch.empty_like(p, device="cpu", pin_memory=pinned).copy_(p.detach())
                     host.grad = torch.zeros_like(host, pin_memory=pinned)
-                    self.held.add(host.untyped_storage()), self.held.add(host.grad.untyped_storage())
+                    for copy in (host, host.grad):
+                        self.held.add(copy.untyped_storage())
                     self.offloaded[p], self._host[p] = type(whole)([{**settings, "params": [host]}]), host
         super().__init__(list(self.offloaded), whole.defaults)
         self.param_groups = [group for inner in self.offloaded.values() for group in inner.param_groups]
@@ -117,8 +118,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 host.grad.copy_(p.grad, non_blocking=True)
                 if p.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
-                # the host step without the optimizer hooks: the trackers see one step, this one
-                type(inner).step.__wrapped__(inner)
+                # the host step without the optimizer hooks (torch's wrapper): the trackers see one step, this one
+                step = type(inner).step
+                getattr(step, "__wrapped__", step)(inner)
             p.copy_(host, non_blocking=True)
         if not self._counted:  # the state, made by the first step: counted once
             self._counted = True
