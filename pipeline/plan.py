@@ -17,7 +17,9 @@ exact analytic state and its stated step temporaries instead (tag `plan_method`)
     peak = max(forward/backward peak + optimizer state,  optimizer-step peak)
 
 The forward/backward of step 2 is that of step 1 with the state in place; the optimizer step's peak holds
-the weights, every gradient, the state and the step's temporaries.
+the weights, every gradient, the state and the step's temporaries. A step of several batches
+(train.gradient_accumulation_steps) runs its later ones with every gradient held: its pass is simulated so. With
+train.offload=optimizer the state is the host's: the device's step holds the weights and gradients alone.
 
 A plan costs four simulated passes of a small model, whatever the model's size and the batch: the pass is
 simulated at two batch sizes (each allocation's parts are affine in the batch: `Profile`) and, for a deep stack
