@@ -105,7 +105,10 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["offload"] = {"train.offload": "activations"}
     one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
     in_backward = cfg.train.get("optimizer_in_backward") or spec_for(cfg.optim).in_backward
-    if one_process and not in_backward and cfg.train.get("gradient_accumulation_steps", 1) == 1:
+    held = cfg.train.get("gradient_accumulation_steps", 1) > 1 or cfg.train.get("offload") == "optimizer"
+    if (
+        one_process and not in_backward and not held
+    ):  # (each gradient held to the step, or stepped on the host)
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
     if (
         cfg.train.get("offload", "none") == "none"
@@ -125,8 +128,10 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["bf16_pure"] = {"train.precision": "bf16_pure"}
     if cfg.get("custom_optim") is None:
         for name in OPTIMIZER_LEVERS:
-            if cfg.optim.name != name:
-                found[name] = {"optim": OmegaConf.load(CONF_DIR / "optim" / f"{name}.yaml")}
+            optim = OmegaConf.load(CONF_DIR / "optim" / f"{name}.yaml")
+            # (not one that train.offload=optimizer refuses)
+            if cfg.optim.name != name and models.offload_refusal(cfg, spec_for(optim)) is None:
+                found[name] = {"optim": optim}
     return found
 
 
