@@ -199,6 +199,7 @@ class FakeJob(NamedTuple):
     model: object
     build: object
     weights: object
+    config: object  # `model`'s config: the job's, less what changes the pass alone (`weights_of`)
 
 
 # what a config carries for the forward and backward pass alone (pipeline.plan_job.planned_config): the weights
@@ -225,4 +226,5 @@ def job_model(model_config, cfg) -> FakeJob:
     settings = {"precision": cfg.train.precision, "task": cfg.task.name, "peft": peft}
     build = functools.partial(fake_model, **settings, checkpointing=checkpointing)
     weights = functools.partial(fake_model, **settings, checkpointing=False)
-    return FakeJob(peft, weights(weights_of(model_config))[1], build, weights)
+    config = weights_of(model_config)
+    return FakeJob(peft, weights(config)[1], build, weights, config)

@@ -51,7 +51,6 @@ from pipeline.fake_model import (  # noqa: F401
     fake_model,
     job_model,
     peft_settings,
-    weights_of,
 )
 from pipeline.memory import KINDS
 from pipeline.plan_ranks import MAX_BATCH
@@ -593,9 +592,7 @@ def simulate(
         if key not in _OPTIMIZER_STEP:
 
             def step() -> list:
-                return list(
-                    optimizer_step(weights_of(model_config), job.weights, spec, cfg, cuda, task, grid)
-                )
+                return list(optimizer_step(job.config, job.weights, spec, cfg, cuda, task, grid))
 
             _OPTIMIZER_STEP[key] = step() if store is None else store.get(["optimizer step", *key], step)
         step, method = _OPTIMIZER_STEP[key]

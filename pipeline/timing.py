@@ -223,3 +223,23 @@ def peak_flops(device: str, precision: str, outputs_dir) -> tuple[float | None, 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(kept, indent=1))
     return kept[key], "measured: best 1024x1024 matmul on this CPU"
+
+
+def step_sizes(steps: int, per_epoch: int | None, cfg) -> list[int]:
+    """The batches each of the first `steps` steps takes: train.gradient_accumulation_steps, and at the end of
+    each epoch of `per_epoch` batches those left (as the Trainer groups them; the Accelerate loop alike)."""
+    n = cfg.train.gradient_accumulation_steps
+    if n == 1 or not per_epoch:
+        return [n] * steps
+    epoch = [n] * (per_epoch // n) + [per_epoch % n] * bool(per_epoch % n)
+    return (epoch * (steps // len(epoch) + 1))[:steps]
+
+
+def step_tokens(batches: list, steps: int, per_epoch: int | None, cfg) -> list[tuple[int, int]]:
+    """Each of the first `steps` steps' (real, padded) tokens: its batches' (step_sizes) summed."""
+    out, at = [], 0
+    for size in step_sizes(steps, per_epoch, cfg):
+        group = batches[at : at + size]
+        out.append((sum(real for real, _ in group), sum(padded for _, padded in group)))
+        at += size
+    return out

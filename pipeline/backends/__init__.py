@@ -37,26 +37,6 @@ class TrainOutput:
     per_epoch: int | None = None  # the training loader's batches an epoch (step_sizes)
 
 
-def step_sizes(steps: int, per_epoch: int | None, cfg) -> list[int]:
-    """The batches each of the first `steps` steps takes: train.gradient_accumulation_steps, and at the end of
-    each epoch of `per_epoch` batches those left (as the Trainer groups them; the Accelerate loop alike)."""
-    n = cfg.train.gradient_accumulation_steps
-    if n == 1 or not per_epoch:
-        return [n] * steps
-    epoch = [n] * (per_epoch // n) + [per_epoch % n] * bool(per_epoch % n)
-    return (epoch * (steps // len(epoch) + 1))[:steps]
-
-
-def step_tokens(batches: list, sizes: list[int]) -> list[tuple[int, int]]:
-    """Each step's (real, padded) tokens: its batches' (`sizes`: step_sizes) summed."""
-    out, at = [], 0
-    for size in sizes:
-        group = batches[at : at + size]
-        out.append((sum(real for real, _ in group), sum(padded for _, padded in group)))
-        at += size
-    return out
-
-
 class NonFiniteLoss(FloatingPointError):
     """The training loss became NaN or infinite at `step`: the run stops at the next reading of the losses
     (failure reason `nan_loss`)."""
@@ -293,7 +273,7 @@ def run(cfg, spec, model, splits, collate, job_dir, train=None) -> Trained:
 
     from pipeline import batch_size, distributed
     from pipeline.state import optimizer_state_size, paged_state_size
-    from pipeline.timing import StepTimer, peak_flops, warmup_steps
+    from pipeline.timing import StepTimer, peak_flops, step_tokens, warmup_steps
 
     train = train or get(cfg.backend.name).train
     if cfg.find_batch_size:
@@ -314,7 +294,7 @@ def run(cfg, spec, model, splits, collate, job_dir, train=None) -> Trained:
         "optimizer_state_bytes": state.bytes,
         "peak_memory_mb": output.peak.metrics()["peak_memory_mb"],
         # each step's (real, padded) tokens
-        "batches": step_tokens(collate.batches, step_sizes(cfg.train.max_steps, output.per_epoch, cfg)),
+        "batches": step_tokens(collate.batches, cfg.train.max_steps, output.per_epoch, cfg),
         "largest_batch": list(output.peak.largest_batch),
         "largest_before_state": output.peak.largest_before_state,
         "largest_with_state": list(output.peak.largest_with_state),

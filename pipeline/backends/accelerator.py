@@ -26,12 +26,12 @@ from pipeline.backends import (
     language_model_metrics,
     optimizer_step_mode,
     restored,
-    step_sizes,
     stopped,
     training_memory,
 )
 from pipeline.data import IGNORE_INDEX
 from pipeline.optimizers import LAYERWISE, LOMO
+from pipeline.timing import step_sizes
 
 
 def batches(loader, steps: int, accumulation: int = 1, reseed=None):

@@ -25,9 +25,9 @@ from pipeline.backends import (
     next_token_accuracy,
     optimizer_step_mode,
     restored,
-    step_sizes,
     training_memory,
 )
+from pipeline.timing import step_sizes
 
 
 class LossKeepingTrainer(Trainer):
