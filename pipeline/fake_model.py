@@ -221,10 +221,10 @@ def weights_of(model_config):
 
 def job_model(model_config, cfg) -> FakeJob:
     """The job's model on fake tensors as `cfg` trains it: its precision, checkpointing, task and adapters."""
+    config = weights_of(model_config)
     peft = peft_settings(cfg)
     checkpointing = bool(cfg.train.get("gradient_checkpointing", False))
     settings = {"precision": cfg.train.precision, "task": cfg.task.name, "peft": peft}
     build = functools.partial(fake_model, **settings, checkpointing=checkpointing)
     weights = functools.partial(fake_model, **settings, checkpointing=False)
-    config = weights_of(model_config)
     return FakeJob(peft, weights(config)[1], build, weights, config)
