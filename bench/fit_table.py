@@ -48,13 +48,20 @@ PEFT_OPTIMS = ("adamw",)
 
 
 def shardings_for(optim: str, peft: str = "none") -> tuple[str, ...]:
-    """The shardings a row is planned with: DDP and ZeRO-1 only for the optimizers of whole matrices; no ZeRO-2
-    for adapters (plan=true refuses it with them: config._check_peft)."""
-    from pipeline.config import MATRIX_OPTIMIZERS
+    """The shardings a row is planned with: DDP and ZeRO-1 only for the optimizers of whole matrices; no FSDP
+    for an optimizer whose step cannot take its shards (models.fsdp_refusal); no ZeRO-2 for adapters (plan=true
+    refuses it with them: config._check_peft)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.models import MATRIX_OPTIMIZERS, fsdp_refusal
+    from pipeline.optimizers import get
 
     if optim.startswith(MATRIX_OPTIMIZERS):
         return ("none", "zero1")
-    return tuple(s for s in SHARDINGS if s != "zero2") if peft != "none" else SHARDINGS
+    fsdp = OmegaConf.create({"train": {"sharding": "fsdp"}, "optim": {"name": optim}})
+    refused = {"fsdp"} if fsdp_refusal(fsdp, get(optim)) else set()
+    refused |= {"zero2"} if peft != "none" else set()
+    return tuple(s for s in SHARDINGS if s not in refused)
 
 
 def cell(prediction, layout, optim: str, budget: float, extra: float, peft: str = "none") -> str:

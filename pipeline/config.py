@@ -30,7 +30,6 @@ QUALITY_METRICS = ("macro_f1", "f1", "accuracy")  # eval.metric: what selection 
 PADDINGS = ("longest", "max_length")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")  # zero2: planned only (plan=true); training runs the others
 TRAINED_SHARDINGS = ("none", "zero1", "fsdp")
-MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")  # (name prefixes) they need whole 2-D weights
 LAUNCHERS = ("local", "parallel", "slurm", "submitit_local")
 DATA_LOADERS = (*PACKAGED, "files", "hub")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -199,12 +198,14 @@ def _check_custom_optimizer(cfg: DictConfig) -> None:
 
 
 def _check_sharding_backend(cfg: DictConfig) -> None:
+    if (refused := models.fsdp_refusal(cfg, spec_for(cfg.optim))) is not None:
+        raise ConfigError(*refused)
     if cfg.plan:  # a plan runs no backend: it counts what each rank holds (pipeline.plan_ranks)
         name = cfg.optim.name
-        if cfg.train.sharding in ("zero2", "fsdp") and name.startswith(MATRIX_OPTIMIZERS):
+        if cfg.train.sharding == "zero2" and name.startswith(models.MATRIX_OPTIMIZERS):
             raise ConfigError(
-                f"train.sharding={cfg.train.sharding} is invalid with optim={name}: it works on whole weight "
-                "matrices, and ZeRO-2 / FSDP hand the optimizer 1-D slices (train.sharding=none or zero1)",
+                f"train.sharding=zero2 is invalid with optim={name}: it works on whole weight matrices, and "
+                "ZeRO-2 hands the optimizer 1-D slices (train.sharding=none or zero1)",
                 ("train.sharding", "optim.name"),
             )
         return

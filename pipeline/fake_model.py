@@ -20,19 +20,6 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _stack(model) -> torch.nn.ModuleList | None:
-    """The model's stack of layers: the module list as long as `config.num_hidden_layers`, all of one class."""
-    depth = model.config.num_hidden_layers
-    for module in model.modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and len(module) == depth
-            and len({type(m) for m in module}) == 1
-        ):
-            return module
-    return None
-
-
 @functools.lru_cache(maxsize=8)
 def _fake_model(
     config_json: str,

@@ -151,10 +151,10 @@ def with_lever(cfg, overrides: dict):
 
 def sharding(cfg) -> str | None:
     """The sharding lever for a point: FSDP (a frozen base's weights sharded too, with adapters) for an optimizer
-    of 1-D slices, else ZeRO-1 (a matrix optimizer works on whole weights); None where the point shards as much
-    already."""
-    from pipeline.config import MATRIX_OPTIMIZERS
+    that steps its shards, else ZeRO-1 (models.fsdp_refusal); None where the point shards as much already."""
+    from pipeline.optimizers import spec_for
 
-    best = "zero1" if str(cfg.optim.name).startswith(MATRIX_OPTIMIZERS) else "fsdp"
+    refused = models.fsdp_refusal(with_lever(cfg, {"train.sharding": "fsdp"}), spec_for(cfg.optim))
+    best = "zero1" if refused else "fsdp"
     order = ["none", "zero1", "zero2", "fsdp"]
     return None if order.index(cfg.train.sharding) >= order.index(best) else best

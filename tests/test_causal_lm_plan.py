@@ -130,7 +130,7 @@ def test_each_ranks_plan_holds_the_lm_head(sharding):
     prediction = plan.simulate(lm_config(cfg), optimizers.get("adamw"), cfg, 4, 64, names=NAMES)
     layout = plan_ranks.Layout(prediction["model"], optimizers.get("adamw"), cfg, cuda=False)
     head = 30522 * 64 * 4
-    assert layout.root >= 2 * head  # the embedding and the untied head, outside the stack of layers
+    assert layout.fsdp(2).root >= 2 * head  # the embedding and the untied head, outside the stack of layers
     ranks = plan_ranks.per_rank(prediction, layout, sharding, 2, 4, 0.0)
     for rank in ranks:
         assert set(rank["parts"]) == set(PARTS)

@@ -111,8 +111,8 @@ def test_zero1_ranks_hold_the_state_of_what_they_own(tiny_plan):
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_zero2_and_fsdp_shards_by_hand(tiny_plan, world):
-    """ZeRO-2: weights whole, gradients and AdamW's state 1/N (1-D slices, rounded up); FSDP: the weights too,
-    plus the root and two layers gathered in the pass."""
+    """ZeRO-2: weights whole, gradients and AdamW's state 1/N (1-D slices, rounded up); FSDP2: every parameter
+    cut by rows (padded to a multiple of N), the root (embeddings, pooler, head) and a layer gathered."""
     cfg, spec, prediction, layout = tiny_plan
     model = prediction["model"]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -123,13 +123,25 @@ def test_zero2_and_fsdp_shards_by_hand(tiny_plan, world):
     assert zero2["step"]["grads"] == pytest.approx(grads / world, rel=1e-9)
     assert zero2["step"]["params"] == pytest.approx(prediction["step"]["params"], rel=1e-9)
     (fsdp,) = plan_ranks.per_rank(prediction, layout, "fsdp", world, 16, 0.0)
-    weights = sum(p.numel() * 4 for p in model.parameters()) / MB
+
+    def rows(p) -> int:  # the rows of a rank's shard: its first dimension over N, rounded up
+        return math.ceil((p.shape[0] if p.dim() else 1) / world)
+
+    def gathered(params) -> float:
+        return sum(world * rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * 4 for p in params)
+
+    shard = sum(rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * 4 for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers()) / MB
-    assert fsdp["step"]["params"] == pytest.approx(weights / world + buffers, rel=1e-9)
+    assert fsdp["step"]["params"] == pytest.approx(shard / MB + buffers, rel=1e-9)
+    assert fsdp["state"] == pytest.approx(
+        sum(8 * rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) + 4 for p in trainable) / MB
+    )
     layers = model.bert.encoder.layer
-    layer = max(sum(p.numel() * 4 for p in m.parameters()) for m in layers) / MB
-    root = weights - sum(p.numel() * 4 for p in layers.parameters()) / MB
-    assert layout.layer / MB == pytest.approx(layer) and layout.root / MB == pytest.approx(root)
+    in_layers = {id(p) for p in layers.parameters()}
+    sizes = layout.fsdp(world)
+    assert sizes.unit == max(gathered(m.parameters()) for m in layers)
+    assert sizes.root == gathered(p for p in model.parameters() if id(p) not in in_layers)
+    assert sizes.sharded == shard
 
 
 def test_the_anchors_are_the_published_formulas(tiny_plan):

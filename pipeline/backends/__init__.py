@@ -180,7 +180,9 @@ def training_memory(cfg, spec, device, model):
     from pipeline.memory import TrainingMemory
 
     na = None
-    if torch.device(device).type == "cuda":
+    if cfg.train.sharding == "fsdp":
+        na = "n/a: FSDP swaps each unit's weights between shards and gathered copies inside the pass, which the step's breakdown cannot follow"
+    elif torch.device(device).type == "cuda":
         if spec.compiles_step:
             na = "n/a: the optimizer step is compiled (torch.compile), which the tensor tracker cannot follow"
         elif "paged" in spec.name:

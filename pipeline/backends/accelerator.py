@@ -103,6 +103,8 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="e
         metrics = language_model_metrics(loss, float(right / counted))
     else:
         metrics = classification_metrics(np.concatenate(logits), np.concatenate(labels), splits.num_labels)
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward: shard them again
+        model.reshard()
     model.train()
     if spec.needs_train_eval_mode:
         optimizer.optimizer.train()
@@ -172,13 +174,10 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     # cpu=True off CUDA: under torchrun on CPU, Accelerator() otherwise runs unsynchronised copies
     mixed = {"bf16": "bf16", "fp16": "fp16"}.get(cfg.train.precision, "no")  # bf16_pure: the weights are bf16
     sharding = cfg.train.sharding
-    if sharding == "fsdp" and not torch.cuda.is_available():
-        raise ValueError("train.sharding=fsdp needs CUDA devices and torch sees none: use zero1 or none here")
     cuda = torch.cuda.is_available()
     accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=mixed,
-        fsdp_plugin=distributed.fsdp_plugin() if sharding == "fsdp" else None,
         # each batch copied to the device from pinned memory without the host waiting for the copy (accelerate's
         # default copy blocks, once a step)
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
@@ -198,8 +197,9 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
     val_loader = None if splits.val is None else loader(splits.val, batch_size=cfg.eval.batch_size)
     if cfg.train.gradient_checkpointing:  # on the model itself, before any wrapper (DDP, FSDP)
         enable_checkpointing(model)
-    if sharding == "fsdp":  # FSDP shards the parameters first; the optimizer is built on the shards
-        model = accelerator.prepare(model)
+    if sharding == "fsdp":  # sharded first, so that the optimizer is built on the shards; FSDP's own hooks
+        # reduce the gradients, so accelerate adds mixed precision and device placement only (no DDP)
+        model = accelerator.prepare_model(distributed.fully_sharded(model), evaluation_mode=True)
     check_device(spec, accelerator.device)
     optimizer = spec.build(model, cfg)
     if sharding == "zero1":

@@ -46,13 +46,18 @@ class ParamInfo(NamedTuple):
 
 
 def param_infos(model) -> list[ParamInfo]:
-    """Name, shape, element size and role of every trainable parameter (all an estimate may look at)."""
+    """Name, shape, element size and role of every trainable parameter (all an estimate may look at); of an
+    FSDP shard (a DTensor), its local shape: the shard the optimizer steps."""
     from torch import nn
 
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return [
         ParamInfo(
-            n, tuple(p.shape), p.element_size(), id(p) in embedding_weights, getattr(p, ZERO_AT_BUILD, False)
+            n,
+            tuple(getattr(p, "_local_tensor", p).shape),
+            p.element_size(),
+            id(p) in embedding_weights,
+            getattr(p, ZERO_AT_BUILD, False),
         )
         for n, p in model.named_parameters()
         if p.requires_grad
