@@ -345,7 +345,9 @@ def test_fsdp_shards_weights_gradients_and_state_and_is_planned_within_1_percent
     ddp, fsdp = runs["none"].data.metrics, runs["fsdp"].data.metrics
     for rank in (0, 1):
         assert abs(fsdp[f"predicted_peak_error_pct_rank{rank}"]) <= 1, rank
-        assert fsdp[f"optimizer_state_mb_rank{rank}"] == pytest.approx(ddp["optimizer_state_mb"] / 2, rel=0.02)
+        assert fsdp[f"optimizer_state_mb_rank{rank}"] == pytest.approx(
+            ddp["optimizer_state_mb"] / 2, rel=0.02
+        )
         # what it saved: more than half the state (DDP's buckets and half the weights and gradients too)
         saved = ddp[f"peak_memory_mb_rank{rank}"] - fsdp[f"peak_memory_mb_rank{rank}"]
         assert saved > ddp["optimizer_state_mb"] / 2, saved

@@ -103,7 +103,7 @@ def evaluation(accelerator, model, optimizer, eval_loader, spec, splits, desc="e
         metrics = language_model_metrics(loss, float(right / counted))
     else:
         metrics = classification_metrics(np.concatenate(logits), np.concatenate(labels), splits.num_labels)
-    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward: shard them again
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward
         model.reshard()
     model.train()
     if spec.needs_train_eval_mode:
