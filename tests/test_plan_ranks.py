@@ -193,6 +193,15 @@ def test_one_rank_plans_as_before():
         ),
         (["plan=true", "find_batch_size=true"], "plan=true is invalid with find_batch_size=true"),
         (
+            ["optim=adafactor", "train.sharding=fsdp", "backend=accelerator", "launcher.nproc_per_job=2"],
+            "train.sharding=fsdp is invalid with optim=adafactor: it works on whole weight matrices, and FSDP "
+            "hands it shards of their rows (train.sharding=zero1 or none)",
+        ),
+        (
+            ["plan=true", "optim=adamw_8bit", "train.sharding=fsdp", "launcher.nproc_per_job=2"],
+            "train.sharding=fsdp is invalid with optim=adamw_8bit: its step runs bitsandbytes' kernels",
+        ),
+        (
             ["plan=true", "train.sharding=zero4"],
             "train.sharding='zero4' is invalid: did you mean zero2? allowed",
         ),
