@@ -95,7 +95,7 @@ class Layout:
         self.variant = spec.variant(cfg.backend.name, cfg)
         index = {id(p): i for i, p in enumerate(trainable)}
         self.groups = [[index[id(p)] for p in group] for group in _param_groups(model, spec, cfg, trainable)]
-        # FSDP's units: the largest layer of the stack, and the root (the rest); DeepSpeed's "largest layer"
+        # ZeRO-2's gradients in flight: the largest layer's of the stack and the root's (the rest)
         stack = models.layer_stack(model)
         layers = [] if stack is None else list(stack)
 
@@ -109,6 +109,17 @@ class Layout:
         units = distributed.fsdp_units(model)
         in_units = {id(p) for unit in units for p in unit.parameters()}
         self._fsdp_root = _rows([p for p in params if id(p) not in in_units])
+        # the root's weights whose gradients backward makes before the stack's: those after it (final norm,
+        # head) and an output embedding tied to the input one
+        last = max((i for i, p in enumerate(params) if id(p) in in_units), default=len(params))
+        head = (
+            getattr(model.get_output_embeddings(), "weight", None)
+            if hasattr(model, "get_output_embeddings")
+            else None
+        )
+        self._fsdp_head = _rows(
+            [p for i, p in enumerate(params) if id(p) not in in_units and (i > last or p is head)]
+        )
         self._fsdp_units = [_rows(list(unit.parameters())) for unit in units]
         self._fsdp: dict[int, FsdpSizes] = {}
         self.largest_module_params = max(
@@ -128,6 +139,7 @@ class Layout:
                 sharded_grads=sum(shard(ps, True) for ps in every),
                 root=whole(self._fsdp_root, False),
                 root_grads=whole(self._fsdp_root, True),
+                head_grads=whole(self._fsdp_head, True),
                 unit=max((whole(ps, False) for ps in self._fsdp_units), default=0),
                 unit_grads=max((whole(ps, True) for ps in self._fsdp_units), default=0),
             )
@@ -164,12 +176,14 @@ class Layout:
 class FsdpSizes(NamedTuple):
     """Bytes FSDP2 holds on a rank of N: every parameter's shard and the trainable ones' (`sharded`,
     `sharded_grads`: rows padded to a multiple of N), the root gathered and its trainable part (`root`,
-    `root_grads`), and the largest unit gathered and its trainable part (`unit`, `unit_grads`)."""
+    `root_grads`; `head_grads`: the part backward makes before the stack's), and the largest unit gathered and its
+    trainable part (`unit`, `unit_grads`)."""
 
     sharded: int
     sharded_grads: int
     root: int
     root_grads: int
+    head_grads: int
     unit: int
     unit_grads: int
 
@@ -233,17 +247,19 @@ def _fb_rows(values: np.ndarray, layout: Layout, sharding: str, world: int) -> n
 
 
 def _fsdp_rows(rows: np.ndarray, layout: Layout, world: int) -> np.ndarray:
-    """FSDP2's rank of `world`, from the one-process pass's rows (MB): the shards, the root gathered and one
-    unit in the forward, two in the backward (a row with gradients made); the gradients made so far as the
-    root's and one unit's unsharded (and that unit's copy for its reduce-scatter), the rest as shards. Two rows
-    more, with nothing of the pass alive: the root's gathering at the forward's start, and its reduce-scatter at
-    the backward's end (beside every shard's gradients)."""
+    """FSDP2's rank of `world`, from the one-process pass's rows (MB): the shards and the root gathered; one
+    layer in the forward, two through the stack's backward, none after it. Gradients made: the root's unsharded
+    (held to the backward's end: the head's from the start, the embeddings' after the stack) and, in the stack,
+    one layer's and its copy for its reduce-scatter; the layers' others as shards. Two rows more, with nothing of
+    the pass alive: the root's gathering at the forward's start, and its reduce-scatter at the backward's end
+    (its gradients, their copy, beside every shard's gradients)."""
     f, p, g = layout.fsdp(world), PARTS.index("params"), PARTS.index("grads")
-    made = rows[:, g].copy()
-    rows[:, p] += (f.sharded + f.root + np.where(made > 0, 2, 1) * f.unit - layout.weights) / MB
-    unsharded = (f.root_grads + f.unit_grads) / MB
-    rows[:, g] = np.minimum(made, unsharded) + np.maximum(made - unsharded, 0) / world
-    rows[:, g] += np.where(made > 0, f.unit_grads / MB, 0)
+    made, layers = rows[:, g] * MB, layout.grads - f.root_grads  # (bytes)
+    stack = (made > 0) & (made < f.head_grads + layers)  # the layers' backward, before it ends
+    units = np.where(made == 0, 1, np.where(stack, 2, 0))
+    rows[:, p] += (f.sharded + f.root + units * f.unit - layout.weights) / MB
+    unsharded = np.where(stack, np.minimum(made, f.head_grads + f.unit_grads), np.maximum(made - layers, 0))
+    rows[:, g] = (unsharded + (made - unsharded) / world + np.where(stack, f.unit_grads, 0)) / MB
     start, end = np.zeros((2, rows.shape[1]))
     start[p], end[p] = (f.sharded + 2 * f.root + layout.buffers) / MB, (f.sharded + layout.buffers) / MB
     end[g] = (f.sharded_grads + 2 * f.root_grads) / MB
