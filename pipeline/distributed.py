@@ -59,27 +59,19 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules FSDP shards as units of their own: the model's transformer layers (its layer stack); the
-    root holds the rest (embeddings, head, final norm)."""
-    from pipeline.models import layer_stack
-
-    return list(layer_stack(model) or ())
-
-
-def fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
+def fully_sharded(model: torch.nn.Module, layers) -> torch.nn.Module:
     """The model under FSDP2 (torch's `fully_shard`, on CUDA/NCCL and on CPU/gloo alike): every parameter,
     adapters and frozen base alike, sharded over the ranks by its first dimension (padded to a multiple of
-    them), a unit per transformer layer (`fsdp_units`), then the root. A rank gathers a unit's weights for its forward
-    and again for its backward (prefetching the next unit's there), and frees them after; the root's stay
+    them), a unit per transformer layer (`layers`: its stack), then the root (embeddings, head, final norm).
+    A rank gathers a unit's weights for its forward and again for its backward (prefetching the next unit's there), and frees them after; the root's stay
     gathered from the forward to the end of the backward. Each unit's gradients are reduce-scattered to the
     rank's shard at the end of its backward. Weights are gathered in their own dtype (mixed precision is
     autocast's, as on one process), so the optimizer steps the shards of the weights it steps on one process.
     pipeline.plan_ranks plans this layout."""
     from torch.distributed.fsdp import fully_shard
 
-    for unit in fsdp_units(model):
-        fully_shard(unit)
+    for layer in layers:
+        fully_shard(layer)
     return fully_shard(model)
 
 

@@ -20,6 +20,20 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def layer_stack(model):
+    """The model's stack of layers (a torch ModuleList), or None: the module list as long as
+    `config.num_hidden_layers`, all of one class."""
+    depth = model.config.num_hidden_layers
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) == depth
+            and len({type(m) for m in module}) == 1
+        ):
+            return module
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _fake_model(
     config_json: str,

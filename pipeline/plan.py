@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import MB, cuda_reductions, models
+from pipeline import MB, cuda_reductions
 from pipeline.cuda_kernels import cuda_kernels
 from pipeline.cuda_reductions import UPPER_GRID, CudaReductionBuffers
 
@@ -49,6 +49,7 @@ from pipeline.fake_model import (  # noqa: F401
     fake_mode,
     fake_model,
     job_model,
+    layer_stack,
     peft_settings,
 )
 from pipeline.memory import KINDS
@@ -213,9 +214,7 @@ def _shallow_pair(model_config, task: str = "classification") -> list | None:
     if model_config.num_hidden_layers <= 2 * SHALLOW[-1]:
         return None
     configs = [_shallow(model_config, n) for n in SHALLOW]
-    if None in configs or any(
-        models.layer_stack(fake_model(c, "fp32", False, task)[1]) is None for c in configs
-    ):
+    if None in configs or any(layer_stack(fake_model(c, "fp32", False, task)[1]) is None for c in configs):
         return None
     return configs
 
@@ -237,7 +236,7 @@ def _stretches(model, tracker):
     stack; it is filed as `middle` and left out."""
     from torch.utils._pytree import tree_leaves
 
-    layers = models.layer_stack(model)
+    layers = layer_stack(model)
     last = len(layers) - 1
     backward = []  # set once backward reaches the stack: a checkpointed layer's recomputed forward moves nothing
 

@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipeline import MB, adapters, distributed, models
-from pipeline.fake_model import fake_mode
+from pipeline import MB, adapters
+from pipeline.fake_model import fake_mode, layer_stack
 from pipeline.memory import KINDS
 
 MAX_BATCH = 2**20  # the largest batch a plan reports
@@ -95,8 +95,8 @@ class Layout:
         self.variant = spec.variant(cfg.backend.name, cfg)
         index = {id(p): i for i, p in enumerate(trainable)}
         self.groups = [[index[id(p)] for p in group] for group in _param_groups(model, spec, cfg, trainable)]
-        # ZeRO-2's gradients in flight: the largest layer's of the stack and the root's (the rest)
-        stack = models.layer_stack(model)
+        # the stack of layers: ZeRO-2's gradients in flight (the largest layer's and the root's), FSDP's units
+        stack = layer_stack(model)
         layers = [] if stack is None else list(stack)
 
         def nbytes(module, grads: bool) -> int:
@@ -106,7 +106,7 @@ class Layout:
 
         self.layer_grads = max((nbytes(m, True) for m in layers), default=0)
         self.root_grads = self.grads - sum(nbytes(m, True) for m in layers)
-        units = distributed.fsdp_units(model)
+        units = layers  # FSDP's too (pipeline.distributed.fully_sharded): a unit per layer
         in_units = {id(p) for unit in units for p in unit.parameters()}
         self._fsdp_root = _rows([p for p in params if id(p) not in in_units])
         # the root's weights whose gradients backward makes before the stack's: those after it (final norm,
@@ -331,6 +331,8 @@ def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch:
                 "state": state,
                 "step": step,
                 "step_peak": sum(step.values()) + extra_mb,
+                # step 1's peak: its pass with no state yet, or its optimizer step, which makes the state
+                "before_state": max(sum(at.values()), sum(step.values())) + extra_mb,
             }
         out.append(alike[key])
     return out

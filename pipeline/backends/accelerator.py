@@ -30,6 +30,7 @@ from pipeline.backends import (
     training_memory,
 )
 from pipeline.data import IGNORE_INDEX
+from pipeline.fake_model import layer_stack  # (a real model's too: FSDP's units)
 from pipeline.optimizers import LAYERWISE, LOMO
 from pipeline.timing import step_sizes
 
@@ -199,7 +200,8 @@ def train(cfg, model, splits, spec, collate, job_dir: Path, evaluate: bool = Tru
         enable_checkpointing(model)
     if sharding == "fsdp":  # sharded first, so that the optimizer is built on the shards; FSDP's own hooks
         # reduce the gradients, so accelerate adds mixed precision and device placement only (no DDP)
-        model = accelerator.prepare_model(distributed.fully_sharded(model), evaluation_mode=True)
+        sharded = distributed.fully_sharded(model, layer_stack(model) or ())
+        model = accelerator.prepare_model(sharded, evaluation_mode=True)
     check_device(spec, accelerator.device)
     optimizer = spec.build(model, cfg)
     if sharding == "zero1":
