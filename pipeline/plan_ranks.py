@@ -15,9 +15,9 @@ Shardings (`train.sharding`), and where each comes from in our stack:
   parameter's state as a 1-D slice of 1/N of its elements), one unit's gradients in flight in backward.
 - `fsdp`: FSDP2 (torch's `fully_shard`, pipeline.distributed.fully_sharded): every weight, gradient and state
   1/N, each parameter cut by rows (its first dimension padded to a multiple of N: the optimizer steps a
-  rows-shard, so a factored optimizer such as Adafactor factors the shard), plus the gathered units: the root
+  rows-shard; models.fsdp_refusal names the optimizers that cannot), plus the gathered units: the root
   (embeddings, head, final norm) from the forward to the end of the backward, one layer in the forward and two
-  in the backward (the one computing, the one prefetched). A unit's all-gather lands in one flat buffer that
+  in the stack's backward (the one computing, the one prefetched). A unit's all-gather lands in one flat buffer that
   is copied out to its weights, so gathering holds the unit twice for a moment (the root's at the forward's
   start); a unit's unsharded gradients are copied into a flat buffer for their reduce-scatter (the root's at the
   backward's end, beside every other shard's gradients).
