@@ -54,7 +54,7 @@ def param_infos(model) -> list[ParamInfo]:
     return [
         ParamInfo(
             n,
-            tuple(getattr(p, "_local_tensor", p).shape),
+            tuple((p.to_local() if hasattr(p, "to_local") else p).shape),
             p.element_size(),
             id(p) in embedding_weights,
             getattr(p, ZERO_AT_BUILD, False),
