@@ -64,33 +64,32 @@ class CpuTensorPeak(TorchDispatchMode):
 
     def _add(self, counted: list[int], size: int | None) -> None:
         """`counted` (a storage's bytes as counted) now `size` bytes (None: freed)."""
-        grew = (size or 0) > counted[0]
-        self.current += (size or 0) - counted[0]
-        counted[0] = size or 0
+        size, grew = size or 0, (size or 0) > counted[0]
+        self.current += size - counted[0]
+        counted[0] = size
         self.peak = max(self.peak, self.current)
         if grew and self.budget_bytes is not None and self.current > self.budget_bytes:
             raise MemoryBudgetExceeded(self.budget_bytes, self.current)
 
-    def _resize(self, storage, size):
-        out = _RESIZE(storage, size)
-        if storage in self._live:
-            self._add(self._live[storage], storage.nbytes())
-        return out
-
     def __enter__(self):
         for storage, counted in list(self._live.items()):
             self._add(counted, storage.nbytes())
-        torch.UntypedStorage.resize_ = lambda storage, size: self._resize(storage, size)
+        resize = self._resize_before = torch.UntypedStorage.resize_  # (a tracker entered before this one's)
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            if storage in self._live:
+                self._add(self._live[storage], storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resized
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = _RESIZE
+        torch.UntypedStorage.resize_ = self._resize_before
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.track(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
-
-
-_RESIZE = torch.UntypedStorage.resize_

@@ -105,10 +105,9 @@ def applicable(cfg, peak_in_pass: bool = True) -> dict[str, dict]:
         found["offload"] = {"train.offload": "activations"}
     one_process = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
     in_backward = cfg.train.get("optimizer_in_backward") or spec_for(cfg.optim).in_backward
+    # (not where each gradient is held to the step, or stepped on the host)
     held = cfg.train.get("gradient_accumulation_steps", 1) > 1 or cfg.train.get("offload") == "optimizer"
-    if (
-        one_process and not in_backward and not held
-    ):  # (each gradient held to the step, or stepped on the host)
+    if one_process and not in_backward and not held:
         found["in_backward"] = {"train.optimizer_in_backward": True, "train.max_grad_norm": 0.0}
     if (
         cfg.train.get("offload", "none") == "none"

@@ -127,15 +127,16 @@ def test_zero2_and_fsdp_shards_by_hand(tiny_plan, world):
     def rows(p) -> int:  # the rows of a rank's shard: its first dimension over N, rounded up
         return math.ceil((p.shape[0] if p.dim() else 1) / world)
 
-    def gathered(params) -> float:
-        return sum(world * rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * 4 for p in params)
+    def row(p) -> int:  # elements a row
+        return p.numel() // max(p.shape[0] if p.dim() else 1, 1)
 
-    shard = sum(rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) * 4 for p in model.parameters())
+    def gathered(params) -> float:
+        return sum(world * rows(p) * row(p) * 4 for p in params)
+
+    shard = sum(rows(p) * row(p) * 4 for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers()) / MB
     assert fsdp["step"]["params"] == pytest.approx(shard / MB + buffers, rel=1e-9)
-    assert fsdp["state"] == pytest.approx(
-        sum(8 * rows(p) * (p.numel() // max(p.shape[0] if p.dim() else 1, 1)) + 4 for p in trainable) / MB
-    )
+    assert fsdp["state"] == pytest.approx(sum(8 * rows(p) * row(p) + 4 for p in trainable) / MB)
     layers = model.bert.encoder.layer
     in_layers = {id(p) for p in layers.parameters()}
     sizes = layout.fsdp(world)
