@@ -1,4 +1,4 @@
-"""`make fit-table`: docs/fit-table.md and .csv, from plans only (pipeline.plan, pipeline.plan_ranks): for each
+"""`make fit-table`: docs/fit-table.md and .csv, from plans only (pipeline.plan_step, pipeline.plan_ranks): for each
 task (a sequence classifier, or task=causal_lm: the decoder with its LM head, next-token labels) x shipped
 decoder x method (full fine-tuning with each optimizer; LoRA and QLoRA adapters with AdamW) x precision x
 gradient checkpointing x sequence length, on each named GPU, the smallest number of GPUs at which one sample per
@@ -38,7 +38,7 @@ NOT_PLANNED = {"lomo": "updates inside the backward pass: no separate optimizer 
 PRECISIONS = ("bf16", "bf16_pure")
 CHECKPOINTING = ("off", "on")
 SEQS = (512, 2048)
-# one GPU per memory size (pipeline.plan.DEVICE_MEMORY_GB; the others of a size fit alike)
+# one GPU per memory size (pipeline.plan_step.DEVICE_MEMORY_GB; the others of a size fit alike)
 GPUS = ("t4", "a10", "v100-32gb", "a100-40gb", "l40s", "h100-80gb", "h200")
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 # the adapters' rows (conf/peft: rank 16 on the family's attention projections; QLoRA's base in 4-bit NF4), each
@@ -99,7 +99,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
     reason)."""
     from hydra import compose, initialize_config_dir
 
-    from pipeline import adapters, cuda_reductions, optimizers, plan, plan_job, plan_ranks
+    from pipeline import adapters, cuda_reductions, optimizers, plan_job, plan_ranks, plan_step
     from pipeline import models as catalog
 
     ways = [("none", o) for o in optims] + [(p, o) for p in pefts for o in PEFT_OPTIMS]
@@ -122,7 +122,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
             for seq in seqs:
                 try:  # each GPU's plan: the pass once, the optimizer step once per grid (its reductions' buffers)
                     planned = {
-                        g: plan.simulate(
+                        g: plan_step.simulate(
                             config, spec, on[g], 1, seq, True, names, store, cuda_reductions.NAMED_GRIDS[g]
                         )
                         for g in gpus
@@ -136,7 +136,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
                     model_built = planned[gpus[0]]["model"]
                     layout = plan_ranks.Layout(model_built, spec, cfg, cuda=True, nccl_mb=nccl)
                 cells = [
-                    cell(planned[g], layout, optim, plan.usable_mb(g), planned[g]["workspaces"], peft)
+                    cell(planned[g], layout, optim, plan_step.usable_mb(g), planned[g]["workspaces"], peft)
                     for g in gpus
                 ]
                 yield [*key, str(seq), *cells]
@@ -145,7 +145,7 @@ def rows(task, models, optims, precisions, checkpointing, seqs, gpus, failed: di
 def page(
     found: list[list[str]], failed: dict[str, str], command: str, minutes: float, torch_version: str
 ) -> str:
-    from pipeline import plan, plan_ranks
+    from pipeline import plan_ranks, plan_step
 
     header = columns()
     lines = [
@@ -164,7 +164,7 @@ def page(
         "sharding that gets there first (docs/plan.md: `zero1` ZeRO-1, `zero2` ZeRO-2, `fsdp` FSDP full "
         "shard; none shown for one GPU), then the largest batch per GPU at that number (sequences of `seq` "
         "tokens, every one at full length; 9999 = 9999 or more). `-`: no number up to 4096 fits. Usable "
-        f"memory = the data sheet's GB (10^9 bytes) in MB less {plan.CUDA_CONTEXT_MB} MiB for the CUDA context; "
+        f"memory = the data sheet's GB (10^9 bytes) in MB less {plan_step.CUDA_CONTEXT_MB} MiB for the CUDA context; "
         f"on more than one GPU each also holds {plan_ranks.NCCL_BUFFERS_MB} MiB of NCCL buffers (stated, not "
         "measured); MB = 2^20 bytes. Task `classification`: the sequence classification head (2 labels, one per "
         "sequence); task `causal_lm`: the decoder with its LM head (tied to the embeddings in GPT-2, Qwen2.5-0.5B "
@@ -194,10 +194,10 @@ def page(
 
 
 def columns() -> list[str]:
-    from pipeline import plan
+    from pipeline import plan_step
 
     header = ["model", "task", "method", "optimizer", "precision", "checkpointing", "seq [tokens]"]
-    return header + [f"{g} ({plan.usable_mb(g):,.0f} MB)" for g in GPUS]
+    return header + [f"{g} ({plan_step.usable_mb(g):,.0f} MB)" for g in GPUS]
 
 
 def main(argv=None) -> int:

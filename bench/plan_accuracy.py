@@ -2,7 +2,7 @@
 
 For every runnable combination of model family x registered optimizer x precision x gradient checkpointing,
 a real job (`pipeline.job.run`: load, train a few steps on the accelerator backend, measure) runs in this
-process, and its `predicted_peak_mb` (pipeline.plan: the same step simulated on fake tensors) is set against
+process, and its `predicted_peak_mb` (pipeline.plan_step: the same step simulated on fake tensors) is set against
 its `peak_memory_mb`, beside the errors of `accelerate estimate-memory`'s training figure and of the
 18-bytes-per-parameter rule. Writes a Markdown table (default docs/plan-accuracy.md) with the worst |error|
 per model family; a combination that cannot run says why.

@@ -3,7 +3,7 @@
 Each row is a real job in this process (`pipeline.job.run`, accelerator backend, a few steps): a tiny decoder
 (llama-tiny, qwen-tiny, gpt2-tiny: hidden 64, vocabulary 30,522, so the logits dominate the step) at one batch
 size and sequence length, every sequence at full length (`train.padding=max_length`, or `train.packing=true`:
-full blocks), with or without gradient checkpointing. Its `predicted_peak_mb` (pipeline.plan: the same step on
+full blocks), with or without gradient checkpointing. Its `predicted_peak_mb` (pipeline.plan_step: the same step on
 fake tensors, LM head and loss included) is set against its `peak_memory_mb`, beside the logits' share of the
 measured peak (`peak_logits_mb` of the step-2 breakdown) and of the predicted one. Prints a Markdown table.
 

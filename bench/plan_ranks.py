@@ -4,7 +4,7 @@
 For each model, one sweep through the real CLI: optimizers x shardings (DDP, ZeRO-1 and FSDP2; FSDP refuses
 Adafactor, whose step needs whole rows and columns) as `launcher.nproc_per_job` ranks, a few steps each. Each job
 records every rank's measured peak (`peak_memory_mb_rank<r>`) and the plan's prediction for that rank at the
-largest batch that rank saw (`predicted_peak_mb_rank<r>`, pipeline.plan_ranks over pipeline.plan). Beside them:
+largest batch that rank saw (`predicted_peak_mb_rank<r>`, pipeline.plan_ranks over pipeline.plan_step). Beside them:
 the field's model-state formula for the same sharding and number of ranks (ZeRO paper / DeepSpeed's estimators,
 `pipeline.plan_ranks.deepspeed_zero_mb`) and `accelerate estimate-memory`'s training figure (one device).
 Writes docs/plan-accuracy-ranks.csv and the section after RANKS_MARKER in docs/plan-accuracy.md.
@@ -106,10 +106,10 @@ def collect(model: str, world: int, work: Path, seconds: float) -> list[dict]:
 
 
 def _zero_formula(cfg, world: int) -> float:
-    from pipeline import models, optimizers, plan, plan_ranks
+    from pipeline import models, optimizers, plan_ranks, plan_step
 
     config = models.model_config(cfg.model, num_labels=2, task=cfg.task.name)
-    _, model = plan.fake_model(config, cfg.train.precision, False, cfg.task.name)
+    _, model = plan_step.fake_model(config, cfg.train.precision, False, cfg.task.name)
     layout = plan_ranks.Layout(model, optimizers.spec_for(cfg.optim), cfg, cuda=False)
     return plan_ranks.deepspeed_zero_mb(layout, cfg.train.sharding, world)
 

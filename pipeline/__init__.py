@@ -66,3 +66,13 @@ def custom_optim(part: str, *, _root_) -> str:
 
 OmegaConf.register_new_resolver("custom_optim", custom_optim, replace=True)
 OmegaConf.register_new_resolver("reference_lr", reference_lr, replace=True)
+
+
+def __getattr__(name: str):
+    """`pipeline.plan(overrides)` and `pipeline.runs(sweep)`, the pipeline from Python (pipeline.notebook),
+    imported when first asked for."""
+    if name in ("plan", "runs"):
+        from pipeline import notebook
+
+        return getattr(notebook, name)
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

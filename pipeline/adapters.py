@@ -170,7 +170,7 @@ def quantize(model, peft_cfg, device: str) -> None:
     buffers of the layer, so that whatever counts a model's weights (the peak trackers, the breakdown) counts
     them too; they are the same tensors the layer computes with.
 
-    On fake tensors (a plan: pipeline.plan) the same layers come from the same quantization, bitsandbytes'
+    On fake tensors (a plan: pipeline.plan_step) the same layers come from the same quantization, bitsandbytes'
     quantize_4bit, which its fake kernels answer with the packed weight and the constants in their shapes and
     dtypes (`_fake_4bit`)."""
     import contextlib

@@ -381,7 +381,7 @@ def _check_plan_alone(cfg: DictConfig) -> None:
 
 def _check_device_memory(cfg: DictConfig) -> None:
     if cfg.device_memory is not None:
-        from pipeline.plan import DEVICE_MEMORY_GB
+        from pipeline.plan_step import DEVICE_MEMORY_GB
 
         _check_choice(cfg, "device_memory", list(DEVICE_MEMORY_GB))
 

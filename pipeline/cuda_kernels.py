@@ -1,5 +1,5 @@
 """The kernels a CUDA GPU runs where they save for backward, or hold, other tensors than CPU's, put in place of
-the CPU's while a plan simulates a step for a CUDA target (pipeline.plan; `cuda_kernels`): scaled dot-product
+the CPU's while a plan simulates a step for a CUDA target (pipeline.plan_step; `cuda_kernels`): scaled dot-product
 attention as its fused kernel (`cuda_attention`), dropout as its fused kernel (`cuda_dropout`: a 1-byte mask
 saved, where the CPU saves a noise tensor in the input's dtype), autocast casting as CUDA's does
 (`cuda_autocast`: layer norm and softmax in fp32, for one), and the autocast queries that libraries ask

@@ -1,5 +1,5 @@
 """What torch's CUDA reduction kernels take from the caching allocator beside their output, for a plan of a
-CUDA target (pipeline.plan): the buffers of a reduction split across thread blocks, sized as ATen's Reduce.cuh
+CUDA target (pipeline.plan_step): the buffers of a reduction split across thread blocks, sized as ATen's Reduce.cuh
 sizes them (`reduction_buffers`) for the grid of the GPU planned for (`grid_for`), and a dispatch mode that holds
 them while each reduction of a simulated step runs (`CudaReductionBuffers`)."""
 
@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # How many blocks share an output depends on the GPU's grid, which ATen's setReduceConfig reads from the device:
 # (multiprocessors, most resident threads per multiprocessor) = cudaDeviceProp's multiProcessorCount and
-# maxThreadsPerMultiProcessor. The named GPUs' (pipeline.plan.DEVICE_MEMORY_GB's names, and the B200's):
+# maxThreadsPerMultiProcessor. The named GPUs' (pipeline.plan_step.DEVICE_MEMORY_GB's names, and the B200's):
 # - threads per multiprocessor follow the compute capability (the CUDA C++ Programming Guide's table of
 #   technical specifications per compute capability, "maximum number of resident threads per SM", as the CUDA
 #   occupancy calculator takes it): 2048 on sm_70, sm_80, sm_90 and sm_100; 1536 on sm_86 and sm_89; 1024 on

@@ -1,6 +1,6 @@
 """The model a plan simulates: the job's model built on fake tensors (torch's FakeTensorMode: shapes, dtypes and
 devices, no data, no memory), from its architecture, in its dtypes, with its adapters where it has any, as a job
-builds it (pipeline.models.build, pipeline.adapters.apply). pipeline.plan runs its training step."""
+builds it (pipeline.models.build, pipeline.adapters.apply). pipeline.plan_step runs its training step."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def throughput(cfg, steady: dict, runtime_s: float, ranks: list[dict], flops: Mo
 
 
 def prediction(cfg, spec, built, splits, trained) -> dict:
-    """What the plan predicts (pipeline.plan: the same step simulated on fake tensors; pipeline.plan_ranks: what
+    """What the plan predicts (pipeline.plan_step: the same step simulated on fake tensors; pipeline.plan_ranks: what
     each rank of several holds) beside what was measured. A training run's: the peak for each rank's largest
     batch; on CUDA a paged optimizer's paged state is left out of both; not for an optimizer
     that updates inside the backward pass (the plan steps once over all gradients). With adapters (peft=lora /
@@ -165,7 +165,7 @@ NOT_IN_PLAN_TRAIN = ("max_steps",)
 # an edit elsewhere (the report, the runner) leaves the kept steps valid
 PLAN_SOURCES = (
     "__init__.py",
-    "plan.py",
+    "plan_step.py",
     "cuda_kernels.py",
     "cuda_reductions.py",
     "plan_ranks.py",
@@ -185,7 +185,7 @@ PEFT_LIBRARIES = ("peft", "bitsandbytes")
 def simulated_step(
     cfg, spec, model_config, batch: tuple, cuda: bool, names, world: int = 1, budget=None
 ) -> dict:
-    """The plan's peak, activations and method for this step (pipeline.plan.simulate), and each rank's peak
+    """The plan's peak, activations and method for this step (pipeline.plan_step.simulate), and each rank's peak
     (`rank_peaks`, pipeline.plan_ranks: one entry, or one per rank under ZeRO-1) for `world` ranks, simulated
     once per sweep point and batch shape and kept under <outputs_dir>/cache/plan (pipeline.cache); its two
     costly parts are kept there too, each under what it depends on: the forward/backward pass by model and
@@ -206,9 +206,17 @@ def simulated_step(
     store = cache.Store(cache.folder(cfg.outputs_dir, "plan"), versions, sources=sources)
 
     def figures() -> dict:
-        from pipeline import plan, plan_ranks
+        from pipeline import plan_ranks, plan_step
 
-        found = plan.simulate(model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store, grid=grid)
+        found = plan_step.simulate(
+            model_config, spec, cfg, *batch, cuda=cuda, names=names, store=store, grid=grid
+        )
+        # the largest batch whose peak fits `budget` MB (the paged state counted against it, as the probes do)
+        largest = (
+            {}
+            if budget is None
+            else {"largest_batch": plan_step.largest_batch(found, budget - found["paged"])}
+        )
         layout = plan_ranks.Layout(found["model"], spec, cfg, cuda=cuda)
         extra = found["workspaces"]
         ranks = plan_ranks.per_rank(found, layout, cfg.train.sharding, world, batch[0], extra)
@@ -220,12 +228,7 @@ def simulated_step(
             "logits": found["parts"].get("logits"),  # a language model's only
             "host": found["host"],  # train.offload=activations
             "method": found["method"],
-            # the largest batch whose peak fits `budget` MB (the paged state counted against it, as the probes do)
-            **(
-                {}
-                if budget is None
-                else {"largest_batch": plan.largest_batch(found, budget - found["paged"])}
-            ),
+            **largest,
         }
 
     return store.get(["step", *inputs], figures)

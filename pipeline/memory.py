@@ -96,7 +96,7 @@ class KindPeak(TorchDispatchMode):
     """Live tensor storages by kind (KINDS: params, grads, optimizer, activations, logits, other), and the kinds
     at the peak.
 
-    A lighter MemTracker for simulated steps (pipeline.plan): its cost does not grow with the number of
+    A lighter MemTracker for simulated steps (pipeline.plan_step): its cost does not grow with the number of
     modules. Weights and buffers count as params; a storage saved for backward becomes an activation; one
     that lands in a parameter's `.grad` a gradient; one kept in `optimizer.state` optimizer state (see
     `file_state`); with `vocab` (a language model's, `logits_width`), one made as logits (`is_logits`) counts

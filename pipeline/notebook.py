@@ -1,6 +1,6 @@
-"""The pipeline from Python (a notebook): `plan(overrides)` plans points in this process and answers the plan's
-table as a DataFrame, nothing recorded; `runs(sweep)` reads a sweep's runs from the project's store, opening
-none where there is none. (`pipeline.plan` is the module that simulates a step: the function is this one.)"""
+"""The pipeline from Python (a notebook), as `pipeline.plan` and `pipeline.runs`: `plan(overrides)` plans points
+in this process and answers the plan's table as a DataFrame, nothing recorded; `runs(sweep)` reads a sweep's runs
+from the project's store, opening none where there is none."""
 
 from __future__ import annotations
 

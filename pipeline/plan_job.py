@@ -1,4 +1,4 @@
-"""A plan job's record (`plan=true`): the step simulated on fake tensors (pipeline.plan), as one process or as
+"""A plan job's record (`plan=true`): the step simulated on fake tensors (pipeline.plan_step), as one process or as
 each rank of `launcher.nproc_per_job` processes under `train.sharding` (pipeline.plan_ranks), whether it fits
 a budget and the headroom it leaves, the largest batch that does, the smallest number of ranks that fits, and
 the field's anchors."""
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from pipeline import cuda_reductions, plan, plan_ranks
+from pipeline import cuda_reductions, plan_ranks, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ def budget_mb(cfg) -> float | None:
     """The memory a plan is checked against: memory_budget_mb, else what the named GPU leaves."""
     if cfg.memory_budget_mb is not None:
         return float(cfg.memory_budget_mb)
-    return plan.usable_mb(cfg.device_memory) if cfg.device_memory else None
+    return plan_step.usable_mb(cfg.device_memory) if cfg.device_memory else None
 
 
 def headroom(peak: float, budget: float) -> dict[str, float]:
@@ -38,9 +38,9 @@ def logits_metrics(prediction: dict, batch: int) -> dict[str, float]:
     if prediction["vocab"] is None:
         return {}
     rows = prediction["profile"].values(batch)
-    at = rows[rows[:, plan.PART_KEYS.index("logits")].argmax()]
+    at = rows[rows[:, plan_step.PART_KEYS.index("logits")].argmax()]
     return {
-        "predicted_logits_largest_mb": float(at[plan.PART_KEYS.index("logits")]),
+        "predicted_logits_largest_mb": float(at[plan_step.PART_KEYS.index("logits")]),
         "predicted_logits_largest_total_mb": float(at.sum() + prediction["beside_pass"]),
     }
 
@@ -90,7 +90,7 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
         changed = levers.with_lever(cfg, overrides)
         spec = optimizers.spec_for(changed.optim)
         config = planned_config(changed)  # a chunked loss, offloaded activations: the model's own settings
-        again = plan.simulate(
+        again = plan_step.simulate(
             config, spec, changed, changed.batch_size, changed.train.max_length, cuda, names, grid=grid
         )
         if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
@@ -99,7 +99,7 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
             return found["predicted_peak_mb"], found["predicted_max_batch_size"]
         # the largest batch where the batch asked fits: it takes a pass at more batch sizes
         fits = largest and again["peak"] <= budget
-        return again["peak"], plan.largest_batch(again, budget) if fits else None
+        return again["peak"], plan_step.largest_batch(again, budget) if fits else None
 
     def together(
         chosen: list[str], largest: bool = False, batch: int | None = None
@@ -187,7 +187,7 @@ def plan_result(cfg) -> dict:
     grid = cuda_reductions.grid_for(cfg.device_memory) if cuda else None
     seq = cfg.train.max_length
     names = tuple(models.load_tokenizer(cfg.model, local_only=True).model_input_names)  # the batch's tensors
-    prediction = plan.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
+    prediction = plan_step.simulate(config, spec, cfg, cfg.batch_size, seq, cuda=cuda, names=names, grid=grid)
     model = prediction["model"]
     # as a job counts them (adapters.model_size): a 4-bit weight (peft=qlora) the weights it packs
     num_params = sum(adapters.weights(p) for p in model.parameters())
@@ -215,7 +215,7 @@ def plan_result(cfg) -> dict:
     if budget is not None:
         metrics["budget_mb"] = budget
         metrics["fits"] = float(prediction["peak"] <= budget)
-        metrics["predicted_max_batch_size"] = plan.largest_batch(prediction, budget)
+        metrics["predicted_max_batch_size"] = plan_step.largest_batch(prediction, budget)
     if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none" or budget is not None:
         nccl = plan_ranks.NCCL_BUFFERS_MB if cuda else 0.0  # each rank's, when there are several
         layout = plan_ranks.Layout(model, spec, cfg, cuda=cuda, nccl_mb=nccl)

@@ -1,5 +1,5 @@
 """A training step's peak memory on each rank of a job of N processes, from the one-process step that
-pipeline.plan simulates on fake tensors: what each rank holds of the weights, gradients and optimizer state is
+pipeline.plan_step simulates on fake tensors: what each rank holds of the weights, gradients and optimizer state is
 a count of shards, and what grows with the batch (activations, the pass's temporaries) is the simulated pass at
 the rank's own batch (`batch_size` is per rank). No N processes are started; any N costs the same.
 
@@ -306,7 +306,7 @@ def rank_states(layout: Layout, sharding: str, world: int) -> tuple[list[float],
 def per_rank(prediction: dict, layout: Layout, sharding: str, world: int, batch: int, extra_mb: float):
     """Each rank's predicted parts and peak (MB) at `batch` samples per rank, and its optimizer step's peak: a
     list, one entry per distinct rank (ZeRO-1's ranks own different parameters; the other shardings' ranks are
-    alike). `prediction`: pipeline.plan.simulate's; `extra_mb`: what a CUDA target adds (cuBLAS workspaces);
+    alike). `prediction`: pipeline.plan_step.simulate's; `extra_mb`: what a CUDA target adds (cuBLAS workspaces);
     with more than one rank, the layout's NCCL buffers are added too (in `other`)."""
     extra_mb += layout.nccl_mb if world > 1 else 0.0
     states, owned = rank_states(layout, sharding, world)

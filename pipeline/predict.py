@@ -1,4 +1,4 @@
-"""The field's rules of thumb, as anchors beside our own prediction (pipeline.plan): what `accelerate
+"""The field's rules of thumb, as anchors beside our own prediction (pipeline.plan_step): what `accelerate
 estimate-memory` says for training, and the bytes-per-parameter rule of DeepSpeed's ZeRO estimators.
 
 Neither sees the optimizer's real state layout, the batch or the activations; the accuracy table

@@ -44,7 +44,7 @@ try:
     import transformers.models.bert.modeling_bert  # noqa: E402, F401
     import transformers.trainer  # noqa: E402, F401
 
-    from pipeline import backends, data, job, measurements, memory, models, plan  # noqa: E402, F401
+    from pipeline import backends, data, job, measurements, memory, models, plan_step  # noqa: E402, F401
     from pipeline.backends import accelerator, trainer  # noqa: E402, F401
 finally:
     for name in _hidden:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from pipeline import data, measurements, models, optimizers, plan
+from pipeline import data, measurements, models, optimizers, plan_step
 
 ROWS = {"text": [f"review number {i}" for i in range(40)], "label": ["neg", "pos"] * 20}
 
@@ -98,8 +98,8 @@ def simulated(tmp_path, *overrides, batch=(16, 32)) -> dict:
 
 def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     # this process's own memo starts empty (a test file run before this one in the same worker fills it)
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
     torch.manual_seed(0)
     first = simulated(tmp_path, "seed=0")
     cached = tmp_path / "cache" / "plan"
@@ -110,7 +110,7 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     # what the entry holds is what the plan computes for that step
     cfg = compose_cfg("model=tiny", f"outputs_dir={tmp_path}")
     model = models.load_model(cfg.model, num_labels=2)
-    found = plan.simulate(
+    found = plan_step.simulate(
         model.config, optimizers.spec_for(cfg.optim), cfg, 16, 32, names=("input_ids", "attention_mask")
     )
     expected = {
@@ -124,15 +124,15 @@ def test_the_seeds_of_a_point_simulate_its_step_once(tmp_path, monkeypatch):
     # read back, the pass simulated once, at that batch size; together they give what simulating them gives
     traced = []
     with monkeypatch.context() as patch:
-        patch.setattr(plan, "_PROFILES", {})
-        patch.setattr(plan, "_OPTIMIZER_STEP", {})
-        trace = plan._trace
-        patch.setattr(plan, "_trace", lambda *args, **kw: traced.append(args[3]) or trace(*args, **kw))
-        patch.setattr(plan, "optimizer_step", None)  # not simulated: a call would fail
+        patch.setattr(plan_step, "_PROFILES", {})
+        patch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+        trace = plan_step._trace
+        patch.setattr(plan_step, "_trace", lambda *args, **kw: traced.append(args[3]) or trace(*args, **kw))
+        patch.setattr(plan_step, "optimizer_step", None)  # not simulated: a call would fail
         read_back = simulated(tmp_path, batch=(5, 32))
     assert traced == [5]
     assert len(entries(cached)) == 5  # its step's figures and its pass
-    fresh = plan.simulate(
+    fresh = plan_step.simulate(
         model.config, optimizers.spec_for(cfg.optim), cfg, 5, 32, names=("input_ids", "attention_mask")
     )
     assert read_back["peak"] == fresh["peak"] and read_back["activations"] == fresh["parts"]["activations"]
@@ -158,15 +158,15 @@ def test_a_class_of_ones_own_is_simulated_again_once_its_file_is_edited(tmp_path
     assert optimizers.source_stamp(compose_cfg(*mine)) == [[str(source), source.stat().st_size,
                                                               source.stat().st_mtime_ns]]  # fmt: skip
     assert optimizers.source_stamp(compose_cfg("optim=adamw")) == []
-    monkeypatch.setattr(plan, "_PROFILES", {})  # (a fresh process: nothing simulated in memory)
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_PROFILES", {})  # (a fresh process: nothing simulated in memory)
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
     simulated(tmp_path, *mine)
     cached = tmp_path / "cache" / "plan"
     assert len(entries(cached)) == 3
     simulated(tmp_path, *mine)  # the same file: the same entries
     assert len(entries(cached)) == 3
     source.write_text(source.read_text() + "\n# edited\n")
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})  # (a new process: nothing simulated in memory)
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})  # (a new process: nothing simulated in memory)
     simulated(tmp_path, *mine)
     assert len(entries(cached)) == 5  # a new step and optimizer step; the pass does not depend on it
 
@@ -179,8 +179,8 @@ def test_an_edit_outside_the_simulations_code_leaves_the_plan_cache_valid(tmp_pa
 
     from pipeline import cache
 
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
     first = simulated(tmp_path)
     cached = tmp_path / "cache" / "plan"
     assert len(entries(cached)) == 3
@@ -191,13 +191,13 @@ def test_an_edit_outside_the_simulations_code_leaves_the_plan_cache_valid(tmp_pa
     (copy / "report" / "render.py").write_text((copy / "report" / "render.py").read_text() + "\n# edited\n")
     cache.code_digest.cache_clear()
     cache.source_digest.cache_clear()
-    monkeypatch.setattr(plan, "_PROFILES", {})  # (a new process: nothing simulated in memory)
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    monkeypatch.setattr(plan, "_trace", None)  # read back, not simulated: a call would fail
+    monkeypatch.setattr(plan_step, "_PROFILES", {})  # (a new process: nothing simulated in memory)
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_trace", None)  # read back, not simulated: a call would fail
     assert simulated(tmp_path) == first
     assert len(entries(cached)) == 3
     before = cache.source_digest(*measurements.PLAN_SOURCES)
-    (copy / "plan.py").write_text((copy / "plan.py").read_text() + "\n# edited\n")
+    (copy / "plan_step.py").write_text((copy / "plan_step.py").read_text() + "\n# edited\n")
     cache.source_digest.cache_clear()
     assert cache.source_digest(*measurements.PLAN_SOURCES) != before
     monkeypatch.undo()

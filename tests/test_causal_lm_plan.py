@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 
-from pipeline import MB, models, optimizers, plan, plan_job, plan_ranks
+from pipeline import MB, models, optimizers, plan_job, plan_ranks, plan_step
 from pipeline.memory import KindPeak, is_logits, logits_width
 from tests.conftest import compose_cfg
 
@@ -23,13 +23,13 @@ def lm_config(cfg):
 
 def test_the_fake_model_is_the_tasks_class_and_the_labels_one_id_per_position():
     cfg = compose_cfg(*LM)
-    mode, model = plan.fake_model(lm_config(cfg), "fp32", False, "causal_lm")
+    mode, model = plan_step.fake_model(lm_config(cfg), "fp32", False, "causal_lm")
     assert type(model).__name__ == "LlamaForCausalLM" and logits_width(model) == 30522
     assert model.plan_key[-1] == "causal_lm"  # the optimizer step's cache key: the LM head has its own state
-    _, classifier = plan.fake_model(models.model_config(cfg.model, 2), "fp32", False)
+    _, classifier = plan_step.fake_model(models.model_config(cfg.model, 2), "fp32", False)
     assert type(classifier).__name__ == "LlamaForSequenceClassification" and logits_width(classifier) is None
-    assert plan._inputs(mode, 3, 7, NAMES, "causal_lm")["labels"].shape == (3, 7)
-    assert plan._inputs(mode, 3, 7, NAMES)["labels"].shape == (3,)
+    assert plan_step._inputs(mode, 3, 7, NAMES, "causal_lm")["labels"].shape == (3, 7)
+    assert plan_step._inputs(mode, 3, 7, NAMES)["labels"].shape == (3,)
 
 
 def test_the_logits_are_what_is_made_ending_in_the_vocabulary():
@@ -86,14 +86,14 @@ def test_a_language_models_plan_is_its_measured_peak_where_the_logits_dominate(s
     def error(found) -> float:
         return 100 * (found["peak"] / m["peak_memory_mb"] - 1)
 
-    as_planned = plan.simulate(lm_config(cfg), spec, cfg, 4, seq, names=NAMES)
+    as_planned = plan_step.simulate(lm_config(cfg), spec, cfg, 4, seq, names=NAMES)
     assert as_planned["peak"] == pytest.approx(m["predicted_peak_mb"], rel=1e-9)
     cls_cfg = compose_cfg("model=llama-tiny", "train.precision=bf16_pure")
-    classifier = plan.simulate(lm_config(cls_cfg), spec, cls_cfg, 4, seq, names=NAMES)
+    classifier = plan_step.simulate(lm_config(cls_cfg), spec, cls_cfg, 4, seq, names=NAMES)
     assert error(classifier) < -50
-    monkeypatch.setattr(plan, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
     monkeypatch.setitem(LOSS_MAPPING, "ForCausalLM", loss_without_upcast)
-    assert error(plan.simulate(lm_config(cfg), spec, cfg, 4, seq, names=NAMES)) < -20
+    assert error(plan_step.simulate(lm_config(cfg), spec, cfg, 4, seq, names=NAMES)) < -20
 
 
 def loss_without_upcast(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
@@ -127,7 +127,7 @@ def test_each_ranks_plan_holds_the_lm_head(sharding):
     """Per-rank plans of a language model: the LM head's weight is in every rank's weights (its own tensor
     under ZeRO-1's partition, FSDP's root unit), and the logits are a rank's own, as its activations."""
     cfg = compose_cfg(*LM, "launcher.nproc_per_job=2", f"train.sharding={sharding}", "backend=accelerator")
-    prediction = plan.simulate(lm_config(cfg), optimizers.get("adamw"), cfg, 4, 64, names=NAMES)
+    prediction = plan_step.simulate(lm_config(cfg), optimizers.get("adamw"), cfg, 4, 64, names=NAMES)
     layout = plan_ranks.Layout(prediction["model"], optimizers.get("adamw"), cfg, cuda=False)
     head = 30522 * 64 * 4
     assert layout.fsdp(2).root >= 2 * head  # the embedding and the untied head, outside the stack of layers
@@ -154,19 +154,19 @@ def test_a_language_models_depth_and_batch_follow_from_two_shallow_models(monkey
     """An 8-layer Llama as a language model: the plan's 2- and 3-layer passes at batch sizes 2 and 3,
     extrapolated, give the parts of simulating every layer at the batch itself, logits included (the LM head
     and the loss sit in the `head` stretch, above the stack)."""
-    from tests.test_plan import direct
+    from tests.test_plan_step import direct
 
     cfg = compose_cfg(*LM, "model.architecture.num_hidden_layers=8", "train.precision=bf16")
     spec, config = optimizers.get("adamw"), lm_config(cfg)
-    monkeypatch.setattr(plan, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
     for batch in (1, 5, 12):
-        found = plan.simulate(config, spec, cfg, batch, 64)
+        found = plan_step.simulate(config, spec, cfg, batch, 64)
         simulated = direct(monkeypatch, config, spec, cfg, batch)
         assert found["parts"] == pytest.approx(simulated["parts"], rel=1e-6), batch
         assert found["parts"]["logits"] > 0 or batch == 1  # (one sample's peak: the optimizer step's)
-        monkeypatch.setattr(plan, "SHALLOW", (2, 3))
-        monkeypatch.setattr(plan, "TRACED_BATCHES", (2, 3))
-        monkeypatch.setattr(plan, "_PROFILES", {})
+        monkeypatch.setattr(plan_step, "SHALLOW", (2, 3))
+        monkeypatch.setattr(plan_step, "TRACED_BATCHES", (2, 3))
+        monkeypatch.setattr(plan_step, "_PROFILES", {})
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")

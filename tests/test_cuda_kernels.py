@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pipeline import MB, cuda_kernels, cuda_reductions, models, optimizers, plan, plan_job
+from pipeline import MB, cuda_kernels, cuda_reductions, models, optimizers, plan_job, plan_step
 from tests.conftest import compose_cfg
 
 # The H200's sweep (docs/gpu.md, the first run on a GPU): MiniLM with random weights, fp32, batch 16, batches
@@ -38,9 +38,9 @@ def minilm_point(optim: str, *overrides: str):
 def test_the_h200s_points_are_planned_within_1_5_percent_and_their_cpu_plans_stay(optim):
     cfg, spec, config, names = minilm_point(optim)
     h200 = cuda_reductions.NAMED_GRIDS["h200"]
-    cuda = plan.simulate(config, spec, cfg, 16, 57, cuda=True, names=names, grid=h200)
+    cuda = plan_step.simulate(config, spec, cfg, 16, 57, cuda=True, names=names, grid=h200)
     assert cuda["peak"] == pytest.approx(H200_PEAKS_MB[optim], rel=H200_GOAL)
-    assert plan.simulate(config, spec, cfg, 16, 57, names=names)["peak"] == pytest.approx(
+    assert plan_step.simulate(config, spec, cfg, 16, 57, names=names)["peak"] == pytest.approx(
         CPU_PLANS_MB[optim], rel=1e-12
     )
 
@@ -71,8 +71,8 @@ def test_a_cuda_targets_dropout_keeps_a_one_byte_mask_where_the_cpus_keeps_its_i
     mask of its input's size, as torch's fused kernel does; in a CPU target's none does, and each keeps a noise
     tensor of 4 bytes an element instead."""
     cfg, _, config, names = minilm_point("adamw")
-    mode, model = plan.fake_model(config, "fp32", False)
-    inputs = plan._inputs(mode, 4, 32, names)
+    mode, model = plan_step.fake_model(config, "fp32", False)
+    inputs = plan_step._inputs(mode, 4, 32, names)
     for cuda in (False, True):
         calls, saved = saved_in_forward(model, inputs, mode, cuda)
         masks = sorted(n for dtype, n in saved if dtype == torch.bool)
@@ -88,7 +88,7 @@ def test_dropout_runs_cudas_fused_kernel_only_where_cuda_would():
     """Within cuda_kernels, dropout in training saves one boolean mask; in evaluation, in place or at p=0 it
     runs as before."""
     saved = []
-    with plan.fake_mode():
+    with plan_step.fake_mode():
         x = torch.empty(8, 16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
             with cuda_kernels.cuda_kernels():
@@ -106,7 +106,7 @@ def test_the_autocast_query_answers_for_cuda_from_the_simulations_autocast():
     in fp32 otherwise, as the same code on each device does."""
     from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 
-    with plan.fake_mode():
+    with plan_step.fake_mode():
         norm, x = NemotronLayerNorm1P(64), torch.empty(2, 8, 64)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with cuda_kernels.cuda_kernels():
@@ -161,7 +161,7 @@ def test_a_cuda_targets_attention_saves_what_torchs_fused_kernel_saves(dtype, ma
         saved[id(t.untyped_storage())] = t.untyped_storage()
         return t
 
-    with plan.fake_mode():
+    with plan_step.fake_mode():
         q, k, v = (torch.empty(b, h, length, d, dtype=dtype, requires_grad=True) for _ in range(3))
         mask = torch.ones(b, 1, length, length, dtype=torch.bool) if masked else None
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cuda_kernels.cuda_kernels():
@@ -194,17 +194,17 @@ def test_a_bert_base_plan_for_a_cuda_target_keeps_no_attention_probabilities():
     spec, config = optimizers.get("adamw"), models.model_config(cfg.model, num_labels=2)
     names = ("input_ids", "token_type_ids", "attention_mask")
     b, s, h, layers = 16, 512, config.num_attention_heads, config.num_hidden_layers
-    cpu = plan.simulate(config, spec, cfg, b, s, names=names)
-    cuda = plan.simulate(config, spec, cfg, b, s, cuda=True, names=names)
+    cpu = plan_step.simulate(config, spec, cfg, b, s, names=names)
+    cuda = plan_step.simulate(config, spec, cfg, b, s, cuda=True, names=names)
     undropped = copy.deepcopy(config)
     undropped.attention_probs_dropout_prob = 0.0
-    no_dropout = plan.simulate(undropped, spec, cfg, b, s, cuda=True, names=names)
+    no_dropout = plan_step.simulate(undropped, spec, cfg, b, s, cuda=True, names=names)
     per_layer = (3 * b * h * s * s - b * s * s - b * h * s) * 4 / MB
     # the hidden dropouts' part apart (a mask of a quarter of CPU's noise on CUDA: the test above)
     hidden = copy.deepcopy(config)
     hidden.hidden_dropout_prob = 0.0
-    cpu_no_hidden = plan.simulate(hidden, spec, cfg, b, s, names=names)
-    cuda_no_hidden = plan.simulate(hidden, spec, cfg, b, s, cuda=True, names=names)
+    cpu_no_hidden = plan_step.simulate(hidden, spec, cfg, b, s, names=names)
+    cuda_no_hidden = plan_step.simulate(hidden, spec, cfg, b, s, cuda=True, names=names)
     drop = cpu_no_hidden["parts"]["activations"] - cuda_no_hidden["parts"]["activations"]
     assert drop == pytest.approx(layers * per_layer, rel=1e-6)
     assert cuda["parts"]["activations"] == pytest.approx(no_dropout["parts"]["activations"], rel=1e-9)
@@ -270,7 +270,7 @@ def autocast_ops(device: str) -> dict[str, list]:
     (its flag set, as it can be without a GPU; no autograd there); on fake CPU tensors, by the simulation's CPU
     autocast within cuda_kernels."""
     found = {}
-    with plan.fake_mode(), torch.no_grad():
+    with plan_step.fake_mode(), torch.no_grad():
         x = torch.empty(2, 8, 8, dtype=torch.bfloat16, device=device)
         w = torch.empty(4, 8, device=device)
         for name, op in AUTOCAST_OPS.items():
@@ -297,6 +297,6 @@ def test_a_cuda_targets_autocast_runs_what_cudas_autocast_runs():
     it, CPU's own policy is back."""
     simulated, cuda = autocast_ops("cpu"), autocast_ops("cuda")
     assert simulated == cuda
-    with plan.fake_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with plan_step.fake_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         x = torch.empty(2, 8, 8, dtype=torch.bfloat16)
         assert F.layer_norm(x, (8,)).dtype == F.softmax(x, -1).dtype == torch.bfloat16  # CPU's own policy

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from pipeline import MB, cache, cuda_reductions, models, optimizers, plan, plan_job
+from pipeline import MB, cache, cuda_reductions, models, optimizers, plan_job, plan_step
 from tests.conftest import compose_cfg
 
 GRIDS = cuda_reductions.NAMED_GRIDS
@@ -301,13 +301,13 @@ def test_a_column_reductions_buffer_follows_the_gpus_grid():
     for (shape, name), nbytes in expected.items():
         found = cuda_reductions.reduction_buffers(shape, torch.empty(shape).stride(), (0,), 4, GRIDS[name])
         assert found == aten_buffers(shape, (0,), GRIDS[name]) == [nbytes, 128], (shape, name)
-    # Adafactor's column mean of MiniLM's 30,522 x 384 word embeddings, as an H200 asked for it (tests/test_plan.py)
+    # Adafactor's column mean of MiniLM's 30,522 x 384 word embeddings, as an H200 asked for it (tests/test_plan_step.py)
     assert aten_buffers((30522, 384), (-2,), GRIDS["h200"]) == [93_782_016, 12]
     assert aten_buffers((30522, 384), (-2,), GRIDS["l4"]) == [45_613_056, 12]
 
 
 def test_the_named_gpus_grids_cover_every_named_gpu_and_the_upper_grid_bounds_them():
-    assert set(GRIDS) == set(plan.DEVICE_MEMORY_GB)
+    assert set(GRIDS) == set(plan_step.DEVICE_MEMORY_GB)
     for sms, threads in GRIDS.values():
         assert sms > 0 and threads in (
             1024,
@@ -364,21 +364,23 @@ def test_plans_for_two_named_gpus_never_share_an_optimizer_step(monkeypatch, tmp
     """Adafactor on a BERT of MiniLM's 30,522 x 384 embeddings: its column mean's buffer is 89.4 MB on an H100
     and 43.5 MB on an L4, so the step's peaks differ. Planned one after the other in one process (the cache of
     steps in memory), and again from a store on disk, neither GPU's plan reads the other's step."""
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
     step = {}
     for name in ("l4", "h100-80gb"):
         cfg = compose_cfg(*TINY_384, "plan=true", f"device_memory={name}", "batch_size=1")
         step[name] = plan_job.plan_result(cfg)["metrics"]["predicted_step_peak_mb"]
-    assert len(plan._OPTIMIZER_STEP) == 2
+    assert len(plan_step._OPTIMIZER_STEP) == 2
     difference = (93_782_016 - 45_613_056) / MB  # the H100's column-mean buffer less the L4's
-    workspaces = plan.cublas_workspaces_mb("h100-80gb") - plan.cublas_workspaces_mb("l4")  # sm_90's larger
+    workspaces = plan_step.cublas_workspaces_mb("h100-80gb") - plan_step.cublas_workspaces_mb(
+        "l4"
+    )  # sm_90's larger
     assert 0.9 * difference < step["h100-80gb"] - step["l4"] - workspaces <= difference
     spec = optimizers.get("adafactor")
-    store = cache.Store(tmp_path, "test", sources=("plan.py", "cuda_reductions.py"))
+    store = cache.Store(tmp_path, "test", sources=("plan_step.py", "cuda_reductions.py"))
     for _ in range(2):  # simulated and kept, then read back: each GPU's own
         for name in ("l4", "h100-80gb"):
-            monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+            monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
             cfg = compose_cfg(*TINY_384, f"device_memory={name}")
             config = models.model_config(cfg.model, 2)
-            found = plan.simulate(config, spec, cfg, 1, 32, cuda=True, store=store, grid=GRIDS[name])
+            found = plan_step.simulate(config, spec, cfg, 1, 32, cuda=True, store=store, grid=GRIDS[name])
             assert found["step_peak"] == pytest.approx(step[name], rel=1e-9), name

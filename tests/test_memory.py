@@ -247,7 +247,7 @@ def test_the_simulated_forward_saves_what_the_real_one_saves():
     The real batch is padded, as the collator's batches are: transformers skips a decoder's causal mask for a
     batch without any padding (SDPA's is_causal, grouped key/value heads not repeated), which it cannot tell
     on fake tensors, so the plan counts the masked path (an upper bound for a batch without padding)."""
-    from pipeline import plan
+    from pipeline import plan_step
 
     for name, batch, seq in [("tiny", 16, 64), ("distilbert-base-cased", 4, 32), ("llama-tiny", 4, 32)]:
         cfg = compose_cfg(f"model={name}", "model.pretrained=false")
@@ -256,7 +256,7 @@ def test_the_simulated_forward_saves_what_the_real_one_saves():
         mask = torch.ones(batch, seq, dtype=torch.long)
         mask[1:, seq // 2 :] = 0  # every sample but the first padded
         real = saved_for_backward(model, torch.randint(1, 1000, (batch, seq)), mask)
-        mode, fake = plan.fake_model(model.config, "fp32", False)
+        mode, fake = plan_step.fake_model(model.config, "fp32", False)
         with mode:
             ones = torch.ones(batch, seq, dtype=torch.long)
             simulated = saved_for_backward(fake, ones, ones)

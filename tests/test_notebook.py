@@ -1,4 +1,4 @@
-"""The pipeline from Python (pipeline.notebook): `notebook.plan(overrides)` answers the plan's table as the
+"""The pipeline from Python (pipeline.notebook): `pipeline.plan(overrides)` answers the plan's table as the
 command line's plan records it, a config.json of one's own included; `runs()` reads a sweep from any folder and
 leaves no store behind where there is none."""
 
@@ -7,6 +7,7 @@ import os
 import pandas as pd
 import pytest
 
+import pipeline
 from pipeline import notebook, plan_job
 from pipeline.report.runs import ReportError
 from tests.conftest import compose_cfg, run_cli
@@ -40,12 +41,12 @@ def test_a_plan_job_of_a_config_json_builds_the_model_it_makes(tmp_path):
 
 @pytest.mark.slow  # one plan sweep through the command (about 15 s)
 def test_a_notebooks_plan_answers_the_table_the_command_records(tmp_path, monkeypatch):
-    """notebook.plan(overrides) in this process, nothing recorded, against the same sweep through the command
-    line and read back from its store with notebook.runs from another folder."""
+    """pipeline.plan(overrides) in this process, nothing recorded, against the same sweep through the command
+    line and read back from its store with pipeline.runs from another folder."""
     file = write_json(tmp_path / "qwen-tiny" / "config.json", TINY)
     overrides = ["task=causal_lm", f"model.config={file}", "peft=lora", "optim=adamw,adafactor"]
     overrides += ["device_memory=rtx-4090", "train.max_length=128"]
-    table = notebook.plan(overrides)
+    table = pipeline.plan(overrides)
     assert isinstance(table, pd.DataFrame) and len(table) == 2
     assert set(table["optimizer"]) == {"adamw", "adafactor"} and set(table["fits"]) == {"yes"}
     assert table.attrs["verdict"][0].startswith("fits rtx-4090 at batch 16")
@@ -57,7 +58,7 @@ def test_a_notebooks_plan_answers_the_table_the_command_records(tmp_path, monkey
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    recorded = notebook.runs(uri=f"sqlite:///{out / 'mlflow.db'}").set_index("optim")
+    recorded = pipeline.runs(uri=f"sqlite:///{out / 'mlflow.db'}").set_index("optim")
     for _, row in table.iterrows():
         assert row["predicted peak [MB]"] == pytest.approx(
             recorded.loc[row["optimizer"], "predicted_peak_mb"]
@@ -70,5 +71,5 @@ def test_runs_opens_no_store_where_there_is_none(tmp_path, monkeypatch):
     monkeypatch.setattr(notebook, "PROJECT_OUTPUTS", tmp_path / "outputs")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ReportError, match="no store at sqlite:///"):
-        notebook.runs()
+        pipeline.runs()
     assert os.listdir(tmp_path) == []

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pipeline import MB, adapters, models, optimizers, plan, plan_job
+from pipeline import MB, adapters, models, optimizers, plan_job, plan_step
 from pipeline.config import ConfigError, validate
 from tests.conftest import CONF, compose_cfg
 
@@ -63,8 +63,8 @@ def test_the_fake_model_is_the_jobs_adapters_on_the_jobs_base(model_name, overri
     bitsandbytes Linear4bit, their 4-bit bytes by adapters' formula), in the same dtypes."""
     cfg = compose_cfg(f"model={model_name}", *overrides)
     checkpointing = bool(cfg.train.gradient_checkpointing)
-    _, fake = plan.fake_model(
-        model_config(cfg), cfg.train.precision, checkpointing, cfg.task.name, plan.peft_settings(cfg)
+    _, fake = plan_step.fake_model(
+        model_config(cfg), cfg.train.precision, checkpointing, cfg.task.name, plan_step.peft_settings(cfg)
     )
     real = job_model(cfg)
     assert type(fake).__name__ == type(real).__name__
@@ -84,9 +84,9 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
     """Full fine-tuning's keys are as before the adapters existed (no peft entry, whatever the adapters' keys
     say); a PEFT plan's hold the method, rank, targets, dropout, the base's and the adapters' dtypes as the
     precision resolves them and QLoRA's 4-bit settings, not alpha (a scale) nor save_adapter."""
-    assert plan.peft_settings(compose_cfg()) is None
-    assert plan.peft_settings(compose_cfg("peft.r=8", "peft.quant_type=fp4")) is None
-    lora = json.loads(plan.peft_settings(compose_cfg("peft=lora")))
+    assert plan_step.peft_settings(compose_cfg()) is None
+    assert plan_step.peft_settings(compose_cfg("peft.r=8", "peft.quant_type=fp4")) is None
+    lora = json.loads(plan_step.peft_settings(compose_cfg("peft=lora")))
     assert lora == {
         "name": "lora",
         "r": 16,
@@ -95,7 +95,7 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
         "base_dtype": "fp32",  # `auto` as fp32 precision resolves it
         "adapter_dtype": "fp32",
     }
-    qlora = json.loads(plan.peft_settings(compose_cfg("peft=qlora")))
+    qlora = json.loads(plan_step.peft_settings(compose_cfg("peft=qlora")))
     assert qlora == {
         **lora,
         "name": "qlora",
@@ -103,7 +103,7 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
         "double_quant": True,
         "compute_dtype": None,
     }
-    key = plan.peft_settings
+    key = plan_step.peft_settings
     same = key(compose_cfg("peft=lora", "peft.alpha=8", "peft.save_adapter=true"))
     assert same == key(compose_cfg("peft=lora"))
     changes = ("peft.r=8", "peft.dropout=0", "peft.target_modules=all-linear", "peft.base_dtype=bf16")
@@ -112,8 +112,10 @@ def test_the_plans_cache_keys_hold_the_adapters_settings_that_change_memory():
     for changed in ("peft.quant_type=fp4", "peft.double_quant=false", "peft.compute_dtype=bf16"):
         assert key(compose_cfg("peft=qlora", changed)) != key(compose_cfg("peft=qlora")), changed
     config = model_config(compose_cfg("model=tiny"))
-    _, full = plan.fake_model(config, "fp32", False, "classification")
-    _, with_lora = plan.fake_model(config, "fp32", False, "classification", key(compose_cfg("peft=lora")))
+    _, full = plan_step.fake_model(config, "fp32", False, "classification")
+    _, with_lora = plan_step.fake_model(
+        config, "fp32", False, "classification", key(compose_cfg("peft=lora"))
+    )
     assert len(full.plan_key) == 5 and with_lora.plan_key[:5] == full.plan_key
 
 
@@ -204,17 +206,17 @@ def test_a_plan_that_left_out_the_4bit_base_or_the_adapters_would_miss_by_far_mo
         return 100 * (found["peak"] / m["peak_memory_mb"] - 1)
 
     # (the job's batch: its tokenizer's tensors; a plain one here)
-    assert error(plan.simulate(config, spec, cfg, 4, 32)) == pytest.approx(
+    assert error(plan_step.simulate(config, spec, cfg, 4, 32)) == pytest.approx(
         m["predicted_peak_error_pct"], abs=0.01
     )
     monkeypatch.setattr(adapters, "quantize", lambda model, peft_cfg, device: None)  # a full-precision base
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    plan._fake_model.cache_clear()
-    assert error(plan.simulate(config, spec, cfg, 4, 32)) > 30
-    plan._fake_model.cache_clear()
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+    plan_step._fake_model.cache_clear()
+    assert error(plan_step.simulate(config, spec, cfg, 4, 32)) > 30
+    plan_step._fake_model.cache_clear()
     full = compose_cfg("model=distilbert-base-cased", "model.pretrained=false")
-    assert error(plan.simulate(config, spec, full, 4, 32)) > 100
+    assert error(plan_step.simulate(config, spec, full, 4, 32)) > 100
 
 
 def test_a_plan_of_qlora_computing_in_bf16_runs_the_same_pass_at_every_batch_size(monkeypatch):
@@ -225,10 +227,10 @@ def test_a_plan_of_qlora_computing_in_bf16_runs_the_same_pass_at_every_batch_siz
         "model=tiny", "optim=adamw", "train.precision=bf16", "peft=qlora", "peft.compute_dtype=bf16"
     )
     spec, config = optimizers.get("adamw"), models.model_config(cfg.model, 2)
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    found = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
-    assert plan.largest_batch(found, 1000.0) > 16  # a second pass, at another batch size
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+    found = plan_step.simulate(config, spec, cfg, 16, 64, cuda=True)
+    assert plan_step.largest_batch(found, 1000.0) > 16  # a second pass, at another batch size
     biases = [m.bias for m in found["model"].modules() if adapters.is_4bit(getattr(m, "weight", None))]
     assert biases and all(b.dtype == torch.bfloat16 for b in biases)
 

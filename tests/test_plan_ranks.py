@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from pipeline import MB, models, optimizers, plan, plan_job, plan_ranks
+from pipeline import MB, models, optimizers, plan_job, plan_ranks, plan_step
 from pipeline.config import ConfigError, validate
 from pipeline.report.verdict import ranks_verdict
 from tests.conftest import compose_cfg, run_cli, sweep_runs
@@ -19,7 +19,7 @@ def tiny_plan():
     cfg = compose_cfg("model=tiny", "optim=adamw", "plan=true", "batch_size=16")
     spec = optimizers.get("adamw")
     config = models.model_config(cfg.model, num_labels=2)
-    prediction = plan.simulate(config, spec, cfg, 16, 64)
+    prediction = plan_step.simulate(config, spec, cfg, 16, 64)
     layout = plan_ranks.Layout(prediction["model"], spec, cfg, cuda=False)
     return cfg, spec, prediction, layout
 
@@ -87,7 +87,7 @@ def test_each_gpu_of_several_holds_nccls_buffers(tiny_plan):
         "model=tiny", "optim=adamw", "plan=true", "device_memory=t4", "launcher.nproc_per_job=2"
     )
     m = plan_job.plan_result(cfg2)["metrics"]
-    cuda = plan.simulate(
+    cuda = plan_step.simulate(
         prediction["model"].config, spec, cfg2, 16, 64, cuda=True, names=("input_ids", "attention_mask")
     )
     cuda_layout = plan_ranks.Layout(cuda["model"], spec, cfg2, cuda=True, nccl_mb=nccl)
@@ -177,10 +177,10 @@ def test_one_rank_plans_as_before():
     cfg = compose_cfg("model=tiny", "optim=adamw", "plan=true", "memory_budget_mb=40")
     m = plan_job.plan_result(cfg)["metrics"]
     config = models.model_config(cfg.model, num_labels=2)
-    found = plan.simulate(config, optimizers.get("adamw"), cfg, cfg.batch_size, cfg.train.max_length)
+    found = plan_step.simulate(config, optimizers.get("adamw"), cfg, cfg.batch_size, cfg.train.max_length)
     assert m["predicted_peak_mb"] == pytest.approx(found["peak"], rel=1e-12)
-    assert m["predicted_max_batch_size"] == plan.largest_batch(found, 40.0)
-    assert m["predicted_min_ranks"] == 1 and m["predicted_max_batch_at_min_ranks"] == plan.largest_batch(
+    assert m["predicted_max_batch_size"] == plan_step.largest_batch(found, 40.0)
+    assert m["predicted_min_ranks"] == 1 and m["predicted_max_batch_at_min_ranks"] == plan_step.largest_batch(
         found, 40
     )
 

@@ -4,7 +4,8 @@ that fits is cut to the levers it needs. Against the plans of the 8B and 7B poin
 
 import pytest
 
-from pipeline import notebook, plan_job, recipe
+import pipeline
+from pipeline import plan_job, recipe
 from tests.conftest import compose_cfg
 from tests.test_own_model import write_json
 
@@ -120,7 +121,7 @@ def test_a_7b_config_json_on_a_4090_says_full_fine_tuning_fits_no_combination_an
     tmp_path,
 ):
     file = write_json(tmp_path / "qwen2.5-7b" / "config.json", QWEN_7B)
-    table = notebook.plan(
+    table = pipeline.plan(
         [
             "task=causal_lm",
             f"model.config={file}",
@@ -142,7 +143,7 @@ def test_a_7b_config_json_on_a_4090_says_full_fine_tuning_fits_no_combination_an
     (line,) = table.attrs["verdict"]
     assert "To fit adamw: no combination of the levers fits (the smallest peak, " in line
     assert f"To fit adamw lora r=16: {recipe_} (keeps the math: accumulate; " in line
-    again = notebook.plan([f"model.config={file}", "task=causal_lm", "peft=lora", "train.precision=bf16",
+    again = pipeline.plan([f"model.config={file}", "task=causal_lm", "peft=lora", "train.precision=bf16",
                            "train.max_length=512", "device_memory=rtx-4090", *recipe_.split()])  # fmt: skip
     assert again["fits"].tolist() == ["yes"]
     assert again["predicted peak [MB]"].iloc[0] == pytest.approx(rows.loc["lora r=16", "recipe_peak_mb"])

@@ -4,7 +4,7 @@ backends, against its plan, and what it saves against the same job without it.""
 import pytest
 import torch
 
-from pipeline import MB, levers, models, optimizers, plan, plan_job
+from pipeline import MB, levers, models, optimizers, plan_job, plan_step
 from pipeline.config import ConfigError, validate
 from tests.conftest import ROOT, compose_cfg
 from tests.test_checkpoint import stop_signal  # noqa: F401 (a fixture)
@@ -107,7 +107,7 @@ def test_a_plans_attention_kernel_and_mask_are_its_own():
     def peak(*overrides, batch=4, seq=256, cuda=False):
         cfg = compose_cfg("model=llama-tiny", "train.precision=bf16", "train.padding=max_length", *overrides)
         config = plan_job.planned_config(cfg)
-        found = plan.simulate(config, spec, cfg, batch, seq, cuda=cuda)
+        found = plan_step.simulate(config, spec, cfg, batch, seq, cuda=cuda)
         return sum(
             found["profile"].parts(batch).values()
         )  # the pass's peak (the step's may be the optimizer's)
@@ -202,11 +202,11 @@ def test_a_deep_models_offloaded_activations_are_planned_from_two_shallow_depths
     cfg = compose_cfg(*LM, "train.offload=activations")
     config = plan_job.planned_config(cfg)
     config.num_hidden_layers = 8
-    build = plan.job_model(config, cfg).build
-    args = (build, config, "causal_lm", 2, 64, plan.INPUT_NAMES, False, "fp32", True)
-    extrapolated = plan.offloaded_mb(*args)
-    monkeypatch.setattr(plan, "_shallow_pair", lambda *a, **k: None)
-    assert extrapolated == pytest.approx(plan.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
+    build = plan_step.job_model(config, cfg).build
+    args = (build, config, "causal_lm", 2, 64, plan_step.INPUT_NAMES, False, "fp32", True)
+    extrapolated = plan_step.offloaded_mb(*args)
+    monkeypatch.setattr(plan_step, "_shallow_pair", lambda *a, **k: None)
+    assert extrapolated == pytest.approx(plan_step.offloaded_mb(*args), rel=1e-9) and extrapolated > 0
     with pytest.raises(ConfigError, match="train.offload='weights' is invalid"):
         validate(compose_cfg(*LM, "train.offload=weights"))
     assert "offload" in levers.applicable(compose_cfg(*LM, "peft=lora"))

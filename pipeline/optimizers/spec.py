@@ -120,7 +120,7 @@ class OptimizerSpec:
     needs_train_eval_mode: bool = False  # schedule-free: optimizer.train() / optimizer.eval()
     compiles_step: bool = False  # torchao: torch.compile'd step (incompatible with the CPU peak tracker)
     # what its step allocates at once, as (times the largest weight, times all weights): e.g. AdamW's
-    # per-tensor step makes sqrt(exp_avg_sq) and its quotient for one weight at a time (pipeline.plan, where
+    # per-tensor step makes sqrt(exp_avg_sq) and its quotient for one weight at a time (pipeline.plan_step, where
     # the step cannot be simulated)
     step_temporaries: tuple[float, float] = (0.0, 0.0)
     step_in_fp32: bool = False  # its temporaries are fp32 whatever the weights' dtype (torchao upcasts)

@@ -4,7 +4,7 @@ largest batch that fits, the report's plan table, and a sample of the accuracy m
 import pytest
 import torch
 
-from pipeline import MB, cuda_reductions, models, optimizers, plan
+from pipeline import MB, cuda_reductions, models, optimizers, plan_step
 from tests.conftest import compose_cfg, run_cli, sweep_runs
 
 PARTS = ["params", "grads", "optimizer", "activations", "other"]
@@ -99,11 +99,11 @@ def left(m: dict) -> str:
 def direct(monkeypatch, config, spec, cfg, batch: int, cuda: bool = False) -> dict:
     """The step simulated as it is, without extrapolating: every layer, at this very batch size (a batch of
     one is simulated itself anyway)."""
-    monkeypatch.setattr(plan, "SHALLOW", (100, 101))
-    monkeypatch.setattr(plan, "TRACED_BATCHES", (max(batch, 2), max(batch, 2) + 1))
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    return plan.simulate(config, spec, cfg, batch, 64, cuda=cuda)
+    monkeypatch.setattr(plan_step, "SHALLOW", (100, 101))
+    monkeypatch.setattr(plan_step, "TRACED_BATCHES", (max(batch, 2), max(batch, 2) + 1))
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+    return plan_step.simulate(config, spec, cfg, batch, 64, cuda=cuda)
 
 
 @pytest.mark.slow  # a dozen simulated steps: CI (make test-ci)
@@ -112,9 +112,9 @@ def test_the_largest_batch_is_the_last_that_fits(monkeypatch):
     cfg = compose_cfg("model=tiny", "optim=adamw")
     spec = optimizers.get("adamw")
     config = models.model_config(cfg.model, num_labels=2)
-    found = plan.simulate(config, spec, cfg, 16, 64)
+    found = plan_step.simulate(config, spec, cfg, 16, 64)
     for budget in (24.0, 30.0, 60.0):
-        n = plan.largest_batch(found, budget)
+        n = plan_step.largest_batch(found, budget)
         assert n > 0 and direct(monkeypatch, config, spec, cfg, n)["peak"] <= budget, budget
         assert direct(monkeypatch, config, spec, cfg, n + 1)["peak"] > budget, budget
 
@@ -127,7 +127,7 @@ def test_planning_a_compiled_step_leaves_it_compilable():
     cfg = compose_cfg("model=tiny", "optim=adamw_torchao_8bit")
     spec, config = optimizers.get("adamw_torchao_8bit"), models.model_config(cfg.model, 2)
     for cuda in (False, True):
-        assert plan.simulate(config, spec, cfg, 4, 64, cuda=cuda)["method"].endswith(
+        assert plan_step.simulate(config, spec, cfg, 4, 64, cuda=cuda)["method"].endswith(
             "analytic (compiled step)"
         )
     from torchao.optim import AdamW8bit
@@ -144,12 +144,12 @@ def test_a_cuda_target_runs_torch_adamw_foreach():
     where the per-tensor loop on CPU makes two of one weight at a time."""
     cfg = compose_cfg("model=tiny", "optim=adamw")
     spec, config = optimizers.get("adamw"), models.model_config(cfg.model, 2)
-    cpu = plan.simulate(config, spec, cfg, 16, 64)
-    cuda = plan.simulate(config, spec, cfg, 16, 64, cuda=True)
+    cpu = plan_step.simulate(config, spec, cfg, 16, 64)
+    cuda = plan_step.simulate(config, spec, cfg, 16, 64, cuda=True)
     sizes = [p.numel() * 4 / MB for p in cpu["model"].parameters()]
     assert cpu["parts"]["other"] == pytest.approx(2 * max(sizes), rel=0.02)
-    assert cuda["parts"]["other"] - plan.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
-    assert cuda["workspaces"] == plan.CUBLAS_WORKSPACES_MB  # no GPU named or here: Hopper's
+    assert cuda["parts"]["other"] - plan_step.CUBLAS_WORKSPACES_MB == pytest.approx(sum(sizes), rel=0.02)
+    assert cuda["workspaces"] == plan_step.CUBLAS_WORKSPACES_MB  # no GPU named or here: Hopper's
 
 
 @pytest.mark.parametrize(
@@ -158,9 +158,11 @@ def test_a_cuda_target_runs_torch_adamw_foreach():
 def test_the_cublas_workspaces_are_sized_by_the_gpus_compute_capability(gpu, mib):
     """Two handles' workspaces (the forward's, autograd's backward thread's: 2 x 33 MiB measured on an H200), each
     torch's cuBLAS workspace and 1 MiB for cuBLASLt: 32 MiB on sm_90, else 4096 KiB x 2 + 16 KiB x 8."""
-    assert plan.cublas_workspaces_mb(gpu) == 2 * mib
+    assert plan_step.cublas_workspaces_mb(gpu) == 2 * mib
     cfg = compose_cfg("model=tiny", f"device_memory={gpu}")
-    found = plan.simulate(models.model_config(cfg.model, 2), optimizers.get("adamw"), cfg, 4, 16, cuda=True)
+    found = plan_step.simulate(
+        models.model_config(cfg.model, 2), optimizers.get("adamw"), cfg, 4, 16, cuda=True
+    )
     assert found["workspaces"] == 2 * mib and found["peak"] == pytest.approx(sum(found["parts"].values()))
 
 
@@ -203,19 +205,19 @@ def test_a_cuda_targets_adafactor_step_holds_its_column_means_buffer(monkeypatch
     cfg = compose_cfg("model=minilm", "model.pretrained=false", "optim=adafactor")
     spec, config = optimizers.get("adafactor"), models.model_config(cfg.model, 2)
     h200 = cuda_reductions.NAMED_GRIDS["h200"]
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
-    found = plan.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
+    found = plan_step.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
     assert found["peak"] == found["step_peak"]  # the optimizer step's peak is the job's
     assert found["peak"] == pytest.approx(H200_ADAFACTOR_PEAK_MB, rel=0.05)
-    monkeypatch.setattr(plan, "_OPTIMIZER_STEP", {})
+    monkeypatch.setattr(plan_step, "_OPTIMIZER_STEP", {})
     monkeypatch.setattr(cuda_reductions, "reduction_buffers", lambda *args, **kwargs: [])
-    without = plan.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
+    without = plan_step.simulate(config, spec, cfg, 16, 64, cuda=True, grid=h200)
     assert without["peak"] < 0.9 * H200_ADAFACTOR_PEAK_MB
 
 
 def test_named_gpus_memory_is_the_data_sheets_in_its_units():
     """A data sheet's "80GB" is 80 x 10^9 bytes: usable MB (2^20 bytes) = that less the CUDA context."""
-    assert plan.DEVICE_MEMORY_GB == {
+    assert plan_step.DEVICE_MEMORY_GB == {
         "t4": 16,
         "v100-32gb": 32,
         "a10": 24,
@@ -232,8 +234,10 @@ def test_named_gpus_memory_is_the_data_sheets_in_its_units():
     usable = {"t4": 14_746.79, "a10": 22_376.18, "a100-40gb": 37_634.97, "h100-80gb": 75_781.95}
     usable |= {"h200": 133_956.08, "b200": 171_149.38}
     for name, mb in usable.items():
-        assert plan.usable_mb(name) == pytest.approx(mb, abs=0.01), name
-        assert (plan.usable_mb(name) + plan.CUDA_CONTEXT_MB) * MB == plan.DEVICE_MEMORY_GB[name] * 10**9
+        assert plan_step.usable_mb(name) == pytest.approx(mb, abs=0.01), name
+        assert (plan_step.usable_mb(name) + plan_step.CUDA_CONTEXT_MB) * MB == plan_step.DEVICE_MEMORY_GB[
+            name
+        ] * 10**9
 
 
 @pytest.mark.slow  # deep models simulated whole: CI (make test-ci)
@@ -258,9 +262,9 @@ def test_any_depth_and_batch_follow_exactly_from_two_shallow_models_at_two_batch
     cfg = compose_cfg(f"model={model}", f"optim={optim}", *overrides)
     spec, config = optimizers.get(optim), models.model_config(cfg.model, 2)
     config.pad_token_id = 0 if config.pad_token_id is None else config.pad_token_id
-    monkeypatch.setattr(plan, "_PROFILES", {})
-    planned = [plan.simulate(config, spec, cfg, batch, 64, cuda=cuda) for batch in (1, 5, 48)]
-    assert len(plan._PROFILES) == 1  # one profile serves every batch size
+    monkeypatch.setattr(plan_step, "_PROFILES", {})
+    planned = [plan_step.simulate(config, spec, cfg, batch, 64, cuda=cuda) for batch in (1, 5, 48)]
+    assert len(plan_step._PROFILES) == 1  # one profile serves every batch size
     for batch, found in zip((1, 5, 48), planned, strict=True):
         simulated = direct(monkeypatch, config, spec, cfg, batch, cuda)
         assert found["parts"] == pytest.approx(simulated["parts"], rel=1e-6), batch
