@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from pipeline import cuda_reductions, plan_ranks, plan_step
+from pipeline import MB, cuda_reductions, plan_ranks, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,16 @@ def rank_metrics(prediction: dict, layout, cfg, budget: float | None) -> dict[st
     return metrics
 
 
-def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> tuple[dict, dict]:
-    """(metrics, params): what each lever that applies to a point that does not fit (its peak `peak`) makes of
-    it (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned
+def held_mb(prediction: dict, cfg) -> float:
+    """What one process's device holds through the whole step: its weights, and the optimizer's state unless
+    the host holds it (train.offload=optimizer)."""
+    weights = sum(p.numel() * p.element_size() for p in prediction["model"].parameters()) / MB
+    return weights + (0.0 if cfg.train.get("offload") == "optimizer" else prediction["state"])
+
+
+def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, point) -> tuple[dict, dict]:
+    """(metrics, params): what each lever that applies to a point that does not fit (`point`: its
+    recipe.Planned) makes of it (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned
     again with it; a sharding's smallest number of ranks that fits and the largest batch per rank there, from
     the point's own plan; then the recipe, the cheapest combination of them that fits (pipeline.recipe). A
     lever that cannot be planned is left out, said in one line."""
@@ -86,7 +93,7 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
 
     extra = prediction["workspaces"]
 
-    def planned(overrides: dict, largest: bool = True) -> tuple[float, int | None]:
+    def planned(overrides: dict, largest: bool = True) -> recipe.Planned:
         changed = levers.with_lever(cfg, overrides)
         spec = optimizers.spec_for(changed.optim)
         config = planned_config(changed)  # a chunked loss, offloaded activations: the model's own settings
@@ -96,14 +103,16 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
         if cfg.launcher.nproc_per_job > 1 or cfg.train.sharding != "none":
             shards = plan_ranks.Layout(again["model"], spec, changed, cuda=cuda, nccl_mb=layout.nccl_mb)
             found = rank_metrics(again, shards, changed, budget)
-            return found["predicted_peak_mb"], found["predicted_max_batch_size"]
+            peak, step = found["predicted_peak_mb"], found["predicted_step_peak_mb"]
+            logits = found.get("predicted_peak_logits_mb", 0.0)
+            return recipe.Planned(peak, found["predicted_max_batch_size"], step, 0.0, logits)
         # the largest batch where the batch asked fits: it takes a pass at more batch sizes
         fits = largest and again["peak"] <= budget
-        return again["peak"], plan_step.largest_batch(again, budget) if fits else None
+        batch = plan_step.largest_batch(again, budget) if fits else None
+        logits = again["parts"].get("logits", 0.0)
+        return recipe.Planned(again["peak"], batch, again["step_peak"], held_mb(again, changed), logits)
 
-    def together(
-        chosen: list[str], largest: bool = False, batch: int | None = None
-    ) -> tuple[float, int | None]:
+    def together(chosen: list[str], largest: bool = False, batch: int | None = None) -> recipe.Planned:
         overrides = {k: v for name in chosen for k, v in applicable[name].items()}
         if batch:  # accumulation's batches of `batch` samples, as many as the point's samples a step
             steps = levers.effective_batch(cfg) // batch
@@ -114,7 +123,7 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
             log.warning(
                 "plan: levers %s together left out: %s: %s", "+".join(chosen), type(err).__name__, err
             )
-            return float("inf"), 0
+            return recipe.Planned(float("inf"), 0)
 
     metrics, singles = {}, {}
     # checkpointing shrinks the forward/backward pass only: where the peak falls in the optimizer step, it stays
@@ -138,7 +147,7 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak) -> t
     # the recipe weighs the pass's levers wherever the peak falls: the others can move it into the pass
     applicable |= levers.applicable(cfg, True)
     candidates = [n for n in applicable if n in singles or n in recipe.PASS]
-    found = recipe.search(cfg, candidates, singles, together, budget, peak)
+    found = recipe.search(cfg, candidates, singles, together, budget, point)
     return metrics | found["metrics"], found["params"]
 
 
@@ -177,6 +186,7 @@ def plan_result(cfg) -> dict:
     configured batch size and `train.max_length`, whether it fits, and the largest batch that does."""
     from pipeline import adapters, models, optimizers, predict  # predict: the field's rules of thumb
     from pipeline.config import own_model
+    from pipeline.recipe import Planned
 
     start = time.perf_counter()
     cfg = own_model(cfg)  # a model of one's own (model.config): the entry its config.json makes
@@ -223,8 +233,15 @@ def plan_result(cfg) -> dict:
     if budget is not None:  # how close to the edge: what the budget leaves at the batch asked
         metrics |= headroom(metrics["predicted_peak_mb"], budget)
         if not metrics["fits"]:
-            peak = metrics["predicted_peak_mb"]  # (the largest rank's, of several)
-            found, recipe = lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, peak)
+            one = cfg.launcher.nproc_per_job == 1 and cfg.train.sharding == "none"
+            point = Planned(  # (the largest rank's, of several)
+                metrics["predicted_peak_mb"],
+                None,
+                metrics["predicted_step_peak_mb"],
+                held_mb(prediction, cfg) if one else 0.0,
+                metrics.get("predicted_peak_logits_mb", 0.0),
+            )
+            found, recipe = lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, point)
             metrics |= found
     metrics["plan_s"] = time.perf_counter() - start
     return {

@@ -12,6 +12,9 @@ more ranks) are not in it: the plan's `lever_<sharding>_ranks` says how many wou
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 from pipeline.levers import ACCUMULATE, LEVERS, effective_batch
 from pipeline.levers import OPTIMIZER_LEVERS as OPTIMIZERS
 
@@ -37,6 +40,37 @@ EXCLUSIVE = (
 )
 
 
+class Planned(NamedTuple):
+    """A combination's plan: its peak and largest batch (None unless asked), and what no lever of the pass
+    lowers (0: unknown): the optimizer step's peak (`step`), and the weights and state the device holds (`held`,
+    through a step inside backward)."""
+
+    peak: float
+    batch: int | None
+    step: float = 0.0
+    held: float = 0.0
+    logits: float = 0.0  # the logits' part of the peak (a language model's)
+
+
+def floor(names, known: dict, seen: dict) -> float:
+    """The least peak the combination `names` can have, from the plans of those that differ from it only in
+    the pass's levers (`known`: filled by `learn`): their optimizer step's peak, or with the step inside
+    backward their weights and state; and from the plan of the same levers without the loss in pieces (in
+    `seen`), its peak less its logits (what the pieces shrink). 0 where none was planned."""
+    inside, chunked = "in_backward" in names, "loss_chunks" in names
+    unchunked = seen.get(frozenset(names) - {"loss_chunks"}) if chunked else None
+    least = 0.0 if unchunked is None else unchunked.peak - unchunked.logits
+    return max(least, known.get((frozenset(names) - set(PASS) - {"in_backward"}, inside), 0.0))
+
+
+def learn(names, found: Planned, known: dict) -> None:
+    """What the plan `found` of `names` says of every combination that differs from it in the pass alone."""
+    rest = frozenset(names) - set(PASS) - {"in_backward"}
+    if "in_backward" not in names:
+        known[rest, False] = max(known.get((rest, False), 0.0), found.step)
+    known[rest, True] = max(known.get((rest, True), 0.0), found.held)
+
+
 def kind_of(name: str, cfg) -> str:
     """A lever's kind for a point: 8-bit state approximates AdamW, and is another optimizer for any other."""
     if name == "adamw_8bit" and cfg.optim.name != "adamw":
@@ -44,27 +78,36 @@ def kind_of(name: str, cfg) -> str:
     return next(kind for kind, names in ORDER if name in names)
 
 
-def search(
-    cfg, candidates, singles: dict[str, tuple[float, int]], plan_with, budget: float, peak: float
-) -> dict:
-    """The recipe's params and metrics among the levers `candidates` (names) that apply to the point, whose own
-    peak is `peak`. `singles`: the (peak, largest batch) of those the plan weighed alone (its lever_<name>_*
-    figures); `plan_with(names, largest)`: (peak, largest batch) of the point with those levers together, the
-    batch None unless `largest` (asked of the recipe alone: it takes a pass at more batch sizes); with `batch`,
-    accumulation's batches of that size. Optimizer levers replace one another, and the step inside backward
-    and accumulation do (EXCLUSIVE). Accumulation is planned at one sample a batch, then named with the largest
-    batch that fits and divides the point's samples a step."""
+def search(cfg, candidates, singles: dict[str, Planned], plan_with, budget: float, point: Planned) -> dict:
+    """The recipe's params and metrics among the levers `candidates` (names) that apply to the point, planned
+    as `point`. `singles`: the Planned of those the plan weighed alone (its lever_<name>_* figures);
+    `plan_with(names, largest)`: the Planned of the point with those levers together, the batch None unless
+    `largest` (asked of the recipe alone: it takes a pass at more batch sizes); with `batch`, accumulation's
+    batches of that size. Optimizer levers replace one another, and the step inside backward and accumulation
+    do (EXCLUSIVE). Accumulation is planned at one sample a batch, then named with the largest batch that fits
+    and divides the point's samples a step. A combination whose floor (`floor`) is no lower than the peak
+    already reached is not planned: the pass's levers cannot lower what the step holds."""
     ordered = sorted(
         candidates, key=lambda name: ([k for k, _ in ORDER].index(kind_of(name, cfg)), _rank(name))
     )
     chosen: list[str] = []
-    best = (peak, 0)
-    seen = {frozenset([name]): found for name, found in singles.items()}  # each combination planned once
+    best = (point.peak, 0)
+    # each combination planned once (the point: none)
+    seen = {frozenset(): point} | {frozenset([name]): found for name, found in singles.items()}
+    known: dict = {}
+    for names, found in [([], point), *(([name], found) for name, found in singles.items())]:
+        learn(names, found, known)
 
-    def planned(names: list[str]) -> tuple[float, int]:
+    def planned(names: list[str], refused: float) -> Planned:
+        """The plan of `names`, or where its floor is `refused` or more (a peak the search turns down) the
+        floor alone, unplanned."""
         key = frozenset(names)
         if key not in seen:  # (the second round asks again of a lever tried beside the same levers)
+            least = floor(names, known, seen)
+            if least >= refused:
+                return Planned(least, None)  # (not kept: asked again, it may be rejected no longer)
             seen[key] = plan_with(names)
+            learn(names, seen[key], known)
         return seen[key]
 
     # a second round: a lever that lowered nothing alone (the loss in pieces where the optimizer's step held the
@@ -73,16 +116,16 @@ def search(
         if name in chosen:
             continue
         trying = [n for n in chosen if not any({n, name} <= pair for pair in EXCLUSIVE)] + [name]
-        peak, batch = planned(trying)
+        peak, batch = planned(trying, best[0])[:2]
         if peak >= best[0]:
             continue  # it lowers nothing beside the levers already chosen
         chosen, best = trying, (peak, batch)
         if peak <= budget:
             for lever in reversed(chosen[:-1]):  # what it fits without
                 fewer = [n for n in chosen if n != lever]
-                again = planned(fewer)
-                if again[0] <= budget:
-                    chosen, (peak, batch) = fewer, again
+                again = planned(fewer, math.nextafter(budget, math.inf))  # (more than the budget)
+                if again.peak <= budget:
+                    chosen, (peak, batch) = fewer, again[:2]
             if batch is None:
                 batch = plan_with(chosen, largest=True)[1]
             samples = effective_batch(cfg)

@@ -6,6 +6,7 @@ import pytest
 
 import pipeline
 from pipeline import plan_job, recipe
+from pipeline.recipe import Planned
 from tests.conftest import compose_cfg
 from tests.test_own_model import write_json
 
@@ -34,7 +35,7 @@ def fake_plans(peaks: dict[tuple, float]):
 
     def plan_with(names, largest=False):
         asked.append(list(names))
-        return peaks.get(tuple(sorted(names)), 100.0), 1
+        return recipe.Planned(peaks.get(tuple(sorted(names)), 100.0), 1)
 
     return plan_with, asked
 
@@ -42,16 +43,16 @@ def fake_plans(peaks: dict[tuple, float]):
 def test_the_levers_that_keep_the_math_come_first_and_the_recipe_keeps_only_what_it_needs():
     cfg = compose_cfg("task=causal_lm", "model=llama-tiny")
     singles = {
-        "in_backward": (90.0, 0),
-        "bf16_pure": (80.0, 0),
-        "adamw_8bit": (85.0, 0),
-        "adafactor": (50.0, 1),
+        "in_backward": Planned(90.0, 0, logits=20.0),
+        "bf16_pure": Planned(80.0, 0),
+        "adamw_8bit": Planned(85.0, 0),
+        "adafactor": Planned(50.0, 1),
     }
     # bf16 weights lower the peak beside the step inside backward, but it takes 8-bit state to fit, and with it
     # the bf16 weights are not needed
     peaks = {("bf16_pure", "in_backward"): 65.0, ("adamw_8bit", "bf16_pure", "in_backward"): 55.0}
     plan_with, asked = fake_plans({**peaks, ("adamw_8bit", "in_backward"): 58.0})
-    found = recipe.search(cfg, [*singles, "loss_chunks"], singles, plan_with, 60.0, 120.0)
+    found = recipe.search(cfg, [*singles, "loss_chunks"], singles, plan_with, 60.0, Planned(120.0, 0))
     assert found["params"] == {
         "recipe": "train.optimizer_in_backward=true train.max_grad_norm=0 optim=adamw_8bit",
         "recipe_kinds": "keeps the math: in_backward; approximates it: adamw_8bit",
@@ -68,12 +69,14 @@ def test_the_levers_that_keep_the_math_come_first_and_the_recipe_keeps_only_what
 
 def test_an_optimizer_lever_replaces_the_other_and_nothing_fitting_says_the_smallest_peak():
     cfg = compose_cfg()
-    singles = {"adamw_8bit": (80.0, 0), "adafactor": (70.0, 0)}
+    singles = {"adamw_8bit": Planned(80.0, 0), "adafactor": Planned(70.0, 0)}
     plan_with, asked = fake_plans({})
-    found = recipe.search(cfg, list(singles), singles, plan_with, 10.0, 90.0)
+    found = recipe.search(cfg, list(singles), singles, plan_with, 10.0, Planned(90.0, 0))
     assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 70.0}}
     assert not any({"adamw_8bit", "adafactor"} <= set(a) for a in asked)  # never both
-    nothing = recipe.search(cfg, list(singles), singles, plan_with, 10.0, 60.0)  # neither lowers a peak of 60
+    nothing = recipe.search(
+        cfg, list(singles), singles, plan_with, 10.0, Planned(60.0, 0)
+    )  # neither lowers a peak of 60
     assert nothing == {"params": {"recipe": "none"}, "metrics": {}}
     assert recipe.kind_of("adamw_8bit", compose_cfg("optim=adafactor")) == recipe.OTHER
 
@@ -86,13 +89,31 @@ def test_the_second_round_plans_no_combination_it_planned_already():
     found = recipe.search(
         cfg,
         ["in_backward", "loss_chunks", "checkpointing"],
-        {"in_backward": (90.0, 0)},
+        {"in_backward": Planned(90.0, 0, logits=20.0)},
         plan_with,
         10.0,
-        120.0,
+        Planned(120.0, 0),
     )
     assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 90.0}}
     assert asked == [["in_backward", "loss_chunks"], ["in_backward", "checkpointing"]]
+
+
+def test_what_the_pass_levers_cannot_lower_is_not_planned():
+    """The optimizer step's peak, which no lever of the pass lowers, and a peak without logits, which the loss in
+    pieces cannot lower: a combination whose floor is no lower than the peak reached is turned down unplanned."""
+    cfg = compose_cfg("task=causal_lm", "model=llama-tiny")
+    point = Planned(120.0, None, step=110.0, held=60.0)  # no logits at its peak
+    singles = {"adafactor": Planned(70.0, 0, step=68.0, held=40.0)}
+    plan_with, asked = fake_plans({("checkpointing",): 100.0, ("adafactor", "checkpointing"): 69.0})
+    found = recipe.search(cfg, ["loss_chunks", "checkpointing", "adafactor"], singles, plan_with, 10.0, point)
+    assert found == {"params": {"recipe": "none"}, "metrics": {"recipe_peak_mb": 69.0}}
+    # the loss in pieces, twice: beside nothing (the point's 120, no logits) and beside the two chosen (69, none)
+    assert asked == [["checkpointing"], ["checkpointing", "adafactor"]]
+    assert recipe.floor(["checkpointing", "adafactor"], {(frozenset(["adafactor"]), False): 68.0}, {}) == 68.0
+    # with the step inside backward what the device holds throughout: the weights and the state
+    known = {}
+    recipe.learn(["checkpointing", "adafactor"], Planned(69.0, 1, step=68.0, held=40.0), known)
+    assert recipe.floor(["in_backward", "offload", "adafactor"], known, {}) == 40.0
 
 
 BASE_8B = [
