@@ -7,7 +7,7 @@ approximate it (mixed bf16, bf16 weights without a master copy, a 16-bit frozen 
 rounds: one that lowered nothing may, once the others have moved the peak); the first combination that fits,
 less each lever it still fits without (the latest first), is the recipe (param `recipe`: the overrides as one
 types them; `recipe_kinds`: each lever's kind; metrics `recipe_peak_mb`, `recipe_max_batch_size`). Where none
-fits: `recipe` none and the smallest peak any combination reached (`recipe_peak_mb`). More GPUs (sharding over
+fits: `recipe` none and the smallest peak the search reached (`recipe_peak_mb`). More GPUs (sharding over
 more ranks) are not in it: the plan's `lever_<sharding>_ranks` says how many would fit."""
 
 from __future__ import annotations

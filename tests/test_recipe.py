@@ -162,7 +162,7 @@ def test_a_7b_config_json_on_a_4090_says_full_fine_tuning_fits_no_combination_an
     assert rows.loc["lora r=16", "recipe"] == recipe_
     assert rows.loc["qlora r=16 nf4", "fits"] == "yes"
     (line,) = table.attrs["verdict"]
-    assert "To fit adamw: no combination of the levers fits (the smallest peak, " in line
+    assert "To fit adamw: no combination of the levers fits (the smallest peak found, " in line
     assert f"To fit adamw lora r=16: {recipe_} (keeps the math: accumulate; " in line
     again = pipeline.plan([f"model.config={file}", "task=causal_lm", "peft=lora", "train.precision=bf16",
                            "train.max_length=512", "device_memory=rtx-4090", *recipe_.split()])  # fmt: skip

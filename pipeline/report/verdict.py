@@ -135,7 +135,7 @@ def lever_phrase(row) -> str:
 def recipe_phrase(row) -> str | None:
     """A plan row's recipe in a few words: `train.precision=bf16_pure ... (keeps the math: in_backward;
     approximates it: bf16_pure; 61,639 MB, largest batch 1)`, or that no combination fits and the smallest peak
-    one reached; then the GPUs a sharding would need. None for a row planned without a recipe."""
+    the search found; then the GPUs a sharding would need. None for a row planned without a recipe."""
     recipe = row.get("recipe")
     if not isinstance(recipe, str):
         return None
@@ -143,7 +143,7 @@ def recipe_phrase(row) -> str | None:
     if recipe == "none":
         said = "no combination of the levers fits"
         if peak is not None and pd.notna(peak):
-            said += f" (the smallest peak, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
+            said += f" (the smallest peak found, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
         else:
             said += " (none lowers its peak)"
     else:
