@@ -143,7 +143,9 @@ def recipe_phrase(row) -> str | None:
     if recipe == "none":
         said = "no combination of the levers fits"
         if peak is not None and pd.notna(peak):
-            said += f" (the smallest peak found, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
+            said += (
+                f" (the smallest peak found, {_readable(peak)} MB, is short by {_readable(peak - budget)} MB)"
+            )
         else:
             said += " (none lowers its peak)"
     else:
