@@ -85,10 +85,11 @@ def held_mb(prediction: dict, cfg) -> float:
 
 def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, point) -> tuple[dict, dict]:
     """(metrics, params): what each lever that applies to a point that does not fit (`point`: its
-    recipe.Planned) makes of it (pipeline.levers): its peak, and where it fits the batch asked the largest batch, the point planned
-    again with it; a sharding's smallest number of ranks that fits and the largest batch per rank there, from
-    the point's own plan; then the recipe, the cheapest combination of them that fits (pipeline.recipe). A
-    lever that cannot be planned is left out, said in one line."""
+    recipe.Planned) makes of it (pipeline.levers): its peak, and where it fits the batch asked the largest
+    batch, the point planned again with it; a sharding's smallest number of ranks that fits and the largest
+    batch per rank there, from the point's own plan; then the recipe, the cheapest combination of them that
+    fits (pipeline.recipe), and the seconds the search took (`plan_recipe_s`). A lever that cannot be planned
+    is left out, said in one line."""
     from pipeline import levers, optimizers, recipe
 
     extra = prediction["workspaces"]
@@ -147,7 +148,9 @@ def lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, point) -> 
     # the recipe weighs the pass's levers wherever the peak falls: the others can move it into the pass
     applicable |= levers.applicable(cfg, True)
     candidates = [n for n in applicable if n in singles or n in recipe.PASS]
+    start = time.perf_counter()
     found = recipe.search(cfg, candidates, singles, together, budget, point)
+    metrics["plan_recipe_s"] = time.perf_counter() - start  # (the search alone)
     return metrics | found["metrics"], found["params"]
 
 
@@ -241,8 +244,9 @@ def plan_result(cfg) -> dict:
                 held_mb(prediction, cfg) if one else 0.0,
                 metrics.get("predicted_peak_logits_mb", 0.0),
             )
+            weighed = time.perf_counter()
             found, recipe = lever_metrics(cfg, names, cuda, grid, budget, prediction, layout, point)
-            metrics |= found
+            metrics |= found | {"plan_levers_s": time.perf_counter() - weighed}
     metrics["plan_s"] = time.perf_counter() - start
     return {
         "metrics": metrics,

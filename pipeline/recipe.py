@@ -59,7 +59,8 @@ def floor(names, known: dict, seen: dict) -> float:
     `seen`), its peak less its logits (what the pieces shrink). 0 where none was planned."""
     inside, chunked = "in_backward" in names, "loss_chunks" in names
     unchunked = seen.get(frozenset(names) - {"loss_chunks"}) if chunked else None
-    least = 0.0 if unchunked is None else unchunked.peak - unchunked.logits
+    planned = unchunked is not None and math.isfinite(unchunked.peak)  # (not one the simulation failed)
+    least = unchunked.peak - unchunked.logits if planned else 0.0
     return max(least, known.get((frozenset(names) - set(PASS) - {"in_backward"}, inside), 0.0))
 
 
