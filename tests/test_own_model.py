@@ -107,7 +107,8 @@ def test_a_config_json_plans_as_the_yaml_of_the_same_architecture(tmp_path):
         "False",
     )
     yaml = plan_job.plan_result(compose_cfg(*PLAN, "model=my-qwen2.5-1.5b", user_conf(tmp_path)))["metrics"]
-    seconds = ("plan_s", "plan_levers_s", "plan_recipe_s")  # (what the plan took: every other figure the same)
+    # what the plan took, in seconds: every other figure the same
+    seconds = ("plan_s", "plan_levers_s", "plan_recipe_s")
     figures = {k: v for k, v in run.data.metrics.items() if k not in seconds}
     assert figures == pytest.approx({k: v for k, v in yaml.items() if k not in seconds}, rel=1e-12)
     assert figures["fits"] == 0 and figures["predicted_peak_logits_mb"] > 0
